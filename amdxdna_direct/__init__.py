@@ -1,0 +1,1 @@
+"""amdxdna-direct: drive AMD XDNA NPUs through the Linux amdxdna ioctls, without XRT."""
