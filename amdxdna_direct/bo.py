@@ -1,0 +1,294 @@
+"""Buffer objects: SHMEM data buffers, DEV (heap) buffers, CMD packet buffers, and sub-buffers.
+
+Facts: spec xrt-npu-sequence.md 1.4-1.6 and amdxdna-uapi.md 4.4-4.6, 7. A ``Bo`` keeps the GEM
+handle, size, device address, CPU address and raw GET_BO_INFO together; numpy views over it are
+zero-copy. ``close()`` is idempotent and also runs on garbage collection; sub-buffers share the
+parent's handle and are closed with it.
+"""
+
+from __future__ import annotations
+
+import errno
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import abi
+from .device import BoInfo, DeviceFile, create_bo, gem_close, get_bo_info, map_bo, release_steps
+from .errors import DeviceLostError, XdnaError, errno_text, format_call
+
+if TYPE_CHECKING:
+    from .device import Device
+
+__all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE"]
+
+PAGE_SIZE = 4096
+TO_DEVICE = "to_device"
+FROM_DEVICE = "from_device"
+_INVALID = (1 << 64) - 1
+_SUB_ALIGN = 4  # the shim DMA's buffer-descriptor address is word granular (spec 1.5)
+
+
+def _kinds() -> dict[str, tuple[int, str]]:
+    return {"shmem": (abi.AMDXDNA_BO_SHMEM, "SHMEM"), "dev": (abi.AMDXDNA_BO_DEV, "DEV"),
+            "cmd": (abi.AMDXDNA_BO_CMD, "CMD")}
+
+
+KINDS = ("shmem", "dev", "cmd")
+
+
+class _View:
+    """Exposes a raw range through ``__array_interface__`` and keeps its Bo alive while views exist."""
+
+    def __init__(self, bo: Bo, addr: int, nbytes: int) -> None:
+        self.bo = bo
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+class Bo:
+    """A buffer object on a ``Device``; create with ``device.bo(size, kind)``.
+
+    Attributes: ``handle`` (GEM handle, the parent's for a sub-buffer), ``size``, ``kind``,
+    ``address`` (what goes into commands), ``cpu_address``, ``offset`` (within the parent),
+    ``info`` (GET_BO_INFO of the parent).
+    """
+
+    def __init__(self, device: Device, size: int, kind: str = "shmem") -> None:
+        """Allocate, look up and map a buffer; SHMEM buffers get XRT's initial flush.
+
+        Raises:
+            TypeError, ValueError: bad size or kind.
+            XdnaError: an ioctl or the mapping failed (nothing is left allocated).
+        """
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise TypeError(f"Bo size must be an int, got {type(size).__name__}")
+        if kind not in KINDS:
+            raise ValueError(f"Bo kind must be one of {KINDS}, got {kind!r}")
+        size = int(size)
+        if size <= 0:
+            raise ValueError(f"Bo size must be positive, got {size}")
+        self.device = device
+        self.size = size
+        self.kind = kind
+        self.offset = 0
+        self.parent: Bo | None = None
+        self._subs: weakref.WeakSet[Bo] = weakref.WeakSet()
+        self._closed = False
+        file = device.file
+        handle, info, cpu, map_len = _allocate(device, size, kind)
+        self.handle = handle
+        self.info = info
+        self.cpu_address = cpu
+        # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
+        self.address = info.xdna_addr if info.xdna_addr != _INVALID else cpu
+        self._release = file.register(_release_bo, file, handle, cpu if map_len else 0, map_len)
+        self._finalizer = weakref.finalize(self, self._release)
+        if kind == "shmem":
+            # "new pages may carry dirty cache lines that would later overwrite device output": the
+            # shim flushes every new SHARE BO (spec 1.4 "Initial flush").
+            try:
+                self.sync()
+            except BaseException:
+                self.close()
+                raise
+
+    # -- sub-buffers ---------------------------------------------------------------------------
+
+    def sub(self, offset: int, size: int) -> Bo:
+        """A sub-buffer ``[offset, offset + size)``: same handle, address = parent address + offset.
+
+        Offsets must be 4-byte aligned (the shim DMA addresses words).
+
+        Raises:
+            ValueError: out of bounds or misaligned.
+            XdnaError: this buffer is closed.
+        """
+        self._check_open("sub")
+        offset, size = int(offset), int(size)
+        if offset < 0 or size <= 0 or offset + size > self.size:
+            raise ValueError(f"sub(offset={offset}, size={size}) outside a {self.size}-byte buffer")
+        if offset % _SUB_ALIGN:
+            raise ValueError(f"sub(offset={offset}): offsets must be {_SUB_ALIGN}-byte aligned for the shim DMA")
+        sub = object.__new__(Bo)
+        sub.device, sub.size, sub.kind = self.device, size, self.kind
+        sub.parent = self.parent or self
+        sub.offset = self.offset + offset
+        sub.handle, sub.info = self.handle, self.info
+        sub.cpu_address = self.cpu_address + offset
+        sub.address = self.address + offset
+        sub._subs, sub._closed = weakref.WeakSet(), False
+        sub._release = sub._finalizer = None
+        sub.parent._subs.add(sub)
+        return sub
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once this buffer (or its parent) was closed or its device closed."""
+        if self._closed or self.device.file.closed:
+            return True
+        return self.parent is not None and self.parent.closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"address={self.address:#x}"
+        where = f" offset={self.offset}" if self.parent is not None else ""
+        return f"<Bo {self.kind} handle={self.handle} size={self.size}{where} {state}>"
+
+    def __enter__(self) -> Bo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unmap and GEM_CLOSE (sub-buffers only mark themselves closed); idempotent.
+
+        Sub-buffers of this buffer are closed first.
+
+        Raises:
+            XdnaError: GEM_CLOSE failed (other than on a lost device).
+        """
+        if self._closed:
+            return
+        for sub in list(self._subs):
+            sub._closed = True
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise XdnaError(errno.EBADF, f"{format_call(what, {'handle': self.handle})}: "
+                                         f"{errno_text(errno.EBADF)}; buffer is closed")
+
+    # -- CPU access ----------------------------------------------------------------------------
+
+    def array(self, dtype: Any = np.uint8, count: int | None = None, offset: int = 0,
+              shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A zero-copy numpy view of ``count`` items of ``dtype`` starting ``offset`` bytes in.
+
+        ``count`` defaults to as many whole items as fit; ``shape`` (an extension) reshapes the view
+        and implies ``count``. The view keeps this buffer alive.
+
+        Raises:
+            ValueError: the range is outside the buffer.
+            XdnaError: the buffer is closed.
+        """
+        self._check_open("array")
+        dt = np.dtype(dtype)
+        if shape is not None:
+            count = int(np.prod(shape))
+        if offset < 0 or offset > self.size:
+            raise ValueError(f"array offset {offset} outside a {self.size}-byte buffer")
+        if count is None:
+            count = (self.size - offset) // dt.itemsize
+        nbytes = count * dt.itemsize
+        if count < 0 or offset + nbytes > self.size:
+            raise ValueError(f"array of {count} x {dt} at offset {offset} exceeds the {self.size}-byte buffer")
+        raw = np.asarray(_View(self, self.cpu_address + offset, nbytes)) if nbytes else np.empty(0, np.uint8)
+        view = raw.view(dt)
+        return view.reshape(shape) if shape is not None else view
+
+    def write(self, data: Any, offset: int = 0) -> None:
+        """Copy bytes (or any buffer / numpy array) into the buffer at ``offset``; counts ``bytes_in``.
+
+        Raises:
+            ValueError: the data does not fit.
+            XdnaError: the buffer is closed.
+        """
+        src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        self.array(np.uint8, src.size, offset)[:] = src
+        with self.device.file.lock:
+            self.device.stats["bytes_in"] += src.size
+
+    def read(self, size: int | None = None, offset: int = 0) -> bytes:
+        """Copy ``size`` bytes out of the buffer (default: to the end); counts ``bytes_out``.
+
+        Raises:
+            ValueError: the range is outside the buffer.
+            XdnaError: the buffer is closed.
+        """
+        out = self.array(np.uint8, size, offset).tobytes()
+        with self.device.file.lock:
+            self.device.stats["bytes_out"] += len(out)
+        return out
+
+    # -- cache maintenance ---------------------------------------------------------------------
+
+    def sync(self, offset: int = 0, size: int | None = None, direction: str = TO_DEVICE) -> None:
+        """Cache maintenance for ``[offset, offset + size)`` of this buffer (default: all of it).
+
+        Call it after CPU writes (before the device reads) and after the device wrote (before CPU
+        reads). Both directions issue SYNC_BO with direction TO_DEVICE: the kernel does the same
+        clflush (write-back + invalidate) for either direction, and on upstream drivers >= 0.3 a
+        FROM_DEVICE sync of anything but a debug buffer flushes and then fails with EINVAL
+        (spec xrt-npu-sequence.md 1.6, amdxdna-uapi.md 4.6). XRT flushes from userspace instead,
+        which Python cannot do.
+
+        Raises:
+            ValueError: bad direction or range.
+            XdnaError: SYNC_BO failed or the buffer is closed.
+        """
+        if direction not in (TO_DEVICE, FROM_DEVICE):
+            raise ValueError(f"sync direction must be {TO_DEVICE!r} or {FROM_DEVICE!r}, got {direction!r}")
+        size = self.size - offset if size is None else size
+        if offset < 0 or size <= 0 or offset + size > self.size:
+            raise ValueError(f"sync(offset={offset}, size={size}) outside a {self.size}-byte buffer")
+        self._check_open("SYNC_BO")
+        req = abi.ffi.new("struct amdxdna_drm_sync_bo *")
+        req.handle = self.handle
+        req.direction = abi.SYNC_DIRECT_TO_DEVICE
+        req.offset = self.offset + offset
+        req.size = size
+        self.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_SYNC_BO, req,
+                               {"handle": self.handle, "offset": req.offset, "size": size})
+
+
+def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, int]:
+    """CREATE_BO + GET_BO_INFO + CPU address; returns (handle, info, cpu address, mapped length)."""
+    file = device.file
+    bo_type, type_name = _kinds()[kind]
+    if kind == "dev":
+        device.ensure_heap()
+        handle = _create_dev_bo(device, size)
+    else:
+        handle = create_bo(file, size, bo_type, type_name)
+    try:
+        info = get_bo_info(file, handle)
+        if kind == "dev":
+            # DEV BOs are not mappable (map_offset ~0); the CPU reaches them through the heap mapping.
+            return handle, info, device.heap_cpu_address(info.xdna_addr), 0
+        map_len = (size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
+        return handle, info, map_bo(file, map_len, info.map_offset), map_len
+    except BaseException:
+        release_steps(lambda: gem_close(file, handle))
+        raise
+
+
+def _create_dev_bo(device: Device, size: int) -> int:
+    # Expandable-heap drivers answer EAGAIN when the heap is short: XRT then adds a contiguous
+    # 64 MiB chunk and retries (spec amdxdna-uapi.md 4.4). Older drivers answer ENOSPC (no growth).
+    while True:
+        try:
+            return create_bo(device.file, size, abi.AMDXDNA_BO_DEV, "DEV")
+        except XdnaError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+            device.grow_heap()
+
+
+def _release_bo(file: DeviceFile, handle: int, addr: int, length: int) -> None:
+    def unmap() -> None:
+        if length:
+            file.seam.munmap(addr, length)
+
+    def close_handle() -> None:
+        if not file.closed and file.lost is None:
+            gem_close(file, handle)
+
+    try:
+        release_steps(unmap, close_handle)
+    except DeviceLostError:
+        pass

@@ -1,0 +1,96 @@
+"""``amdxdna doctor``: check the NPU setup and say how to fix what is wrong (checks in amdxdna_direct.doctor)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+
+from .. import doctor
+
+__all__ = ["add_parser", "run", "format_results"]
+
+EXIT_CODES = """\
+checks, in order:
+  node           /dev/accel/accelN exists and sysfs says amdxdna drives it
+  permission     the node opens read-write (mode bits and group; container device flags)
+  memlock        RLIMIT_MEMLOCK covers a 64 MiB heap plus buffers
+  kernel-log     no SVA bind failures, IOMMU page faults or amdxdna errors in /dev/kmsg
+  feature-level  VERSION, GET_INFO, GET_ARRAY and timeline syncobjs answer as this runtime expects
+  firmware       the firmware version is readable (and agrees with sysfs)
+  contexts       contexts are free: live contexts vs the firmware limit, and a real CREATE_HWCTX probe
+  self-test      a passthrough kernel returns its input (emulator: built in; real NPU: --xclbin/--insts)
+
+exit codes:
+  0    no check failed (warnings and skipped checks allowed)
+  1    at least one check failed
+  2    usage error (bad option, unknown --user)"""
+
+_MARK = {doctor.PASS: "pass", doctor.WARN: "WARN", doctor.FAIL: "FAIL", doctor.SKIP: "skip"}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``doctor`` on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "doctor", help="check the NPU setup and print the fix for each problem",
+        description=textwrap.fill(
+            "Check everything between this process and a working NPU, printing pass / WARN / FAIL / "
+            "skip per check with what was found and, when it is not a pass, the fix.", 100),
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", metavar="DEV",
+                        help="device to check: /dev/accel/accelN, emu, emu:npu1, ... (default: $AMDXDNA_DEVICE, "
+                             "else the first /dev/accel/accel* node under --root)")
+    parser.add_argument("--root", default="/", metavar="DIR",
+                        help="filesystem root holding dev/, sys/, etc/ and dev/kmsg (default: /; a copied or "
+                             "fake tree for offline diagnosis)")
+    parser.add_argument("--user", metavar="NAME",
+                        help="check the node permissions for this user (name or uid, from DIR/etc/passwd and "
+                             "DIR/etc/group) instead of this process; device checks are then skipped "
+                             "(default: this process)")
+    parser.add_argument("--xclbin", metavar="X",
+                        help="self-test design for a real NPU: a passthrough xclbin (with --insts; default: "
+                             "built-in on the emulator, skipped on a real NPU)")
+    parser.add_argument("--insts", metavar="I",
+                        help="instruction stream of the --xclbin self-test design (default: none; required with "
+                             "--xclbin)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results as a JSON list of {name, status, detail, fix} (default: text)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the checks; return 1 if any failed, else 0 (2 for an unknown --user)."""
+    try:
+        host = doctor.Host.probe(args.root, user=args.user)
+    except LookupError as exc:
+        print(f"amdxdna doctor: {exc}", file=sys.stderr)
+        return 2
+    device = args.device if args.device is not None else _env_device(args.root)
+    results = doctor.run_checks(device, host=host, xclbin=args.xclbin, insts=args.insts)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print(format_results(results))
+    return 1 if doctor.worst(results) == doctor.FAIL else 0
+
+
+def _env_device(root: str) -> str | None:
+    # $AMDXDNA_DEVICE names a device of this machine, so it only applies to the real root.
+    if root != "/":
+        return None
+    return os.environ.get("AMDXDNA_DEVICE") or None
+
+
+def format_results(results: list[doctor.CheckResult]) -> str:
+    """One line per check, the fix indented below it, and a verdict line."""
+    lines = []
+    for r in results:
+        lines.append(f"[{_MARK[r.status]}] {r.name:<14} {r.detail}")
+        if r.fix and r.status != doctor.PASS:
+            lines.append(f"{'':7}{'':15}fix: {r.fix}")
+    counts = {s: sum(r.status == s for r in results) for s in _MARK}
+    lines.append(f"{counts[doctor.FAIL]} failed, {counts[doctor.WARN]} warning(s), {counts[doctor.PASS]} passed, "
+                 f"{counts[doctor.SKIP]} skipped")
+    return "\n".join(lines)

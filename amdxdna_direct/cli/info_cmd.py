@@ -1,0 +1,184 @@
+"""``amdxdna info``: what the device, its driver and its firmware report, and the live hardware contexts.
+
+PCI identity comes from sysfs (``/sys/class/accel/accelN/device/*``, spec amdxdna-uapi.md 8) on a real
+node and from the profile on the emulator; everything else from DRM_IOCTL_VERSION and GET_INFO (spec 10).
+A query the driver does not have (EOPNOTSUPP, e.g. QUERY_RESOURCE_INFO before feature level 0.4) is
+reported as "not supported by this driver".
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import doctor, open_device
+from ..errors import XdnaError
+
+__all__ = ["collect", "format_info", "add_parser", "run"]
+
+NOT_SUPPORTED = "not supported by this driver"
+DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdxdna_device_type (spec 3)
+
+EXIT_CODES = """\
+exit codes:
+  0    the device was opened and queried (unsupported queries are reported, not failures)
+  1    the device could not be opened (message on stderr; `amdxdna doctor` says why)
+  2    usage error"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``info`` on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "info", help="show the device, driver, firmware, AIE array, clocks and live contexts",
+        description=textwrap.fill(
+            "Show the device node, PCI id and generation, driver name and DRM version (feature level), "
+            "firmware version, AIE version and geometry, clocks, power mode, resource info and a table "
+            "of live hardware contexts (id, columns, pid, submissions, completions, errors).", 100),
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", metavar="DEV",
+                        help="device: /dev/accel/accelN, emu, emu:npu1, emu:npu4, ... (default: $AMDXDNA_DEVICE, "
+                             "else the first /dev/accel node driven by amdxdna)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (default: text)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Query the device and print; return 0, or 1 when it cannot be opened."""
+    try:
+        dev = open_device(args.device)
+    except XdnaError as exc:
+        print(f"amdxdna info: {exc}", file=sys.stderr)
+        return 1
+    with dev:
+        info = collect(dev)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+def collect(dev) -> dict[str, Any]:
+    """Everything ``info`` shows, as plain data; failed queries become ``{"error": message}``."""
+    version = dev.version
+    return {
+        "device": dev.name,
+        "pci": _pci(dev),
+        "driver": {"name": version.name, "version": f"{version.major}.{version.minor}.{version.patchlevel}",
+                   "feature_level": version.minor, "desc": version.desc, "date": version.date},
+        "firmware": _query(lambda: str(dev.firmware_version())),
+        "aie": _query(lambda: _aie(dev)),
+        "clocks": _query(lambda: {c.name: c.freq_mhz for c in (dev.clock_metadata().mp_npu_clock,
+                                                               dev.clock_metadata().h_clock)}),
+        "power_mode": _query(lambda: dev.power_mode().name),
+        "resources": _query(lambda: vars(dev.resource_info()).copy()),
+        "contexts": _query(lambda: [vars(c).copy() for c in dev.hw_contexts()]),
+    }
+
+
+def _query(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except XdnaError as exc:
+        return {"error": NOT_SUPPORTED if exc.errno == errno.EOPNOTSUPP else str(exc)}
+
+
+def _pci(dev) -> dict[str, Any]:
+    if dev.emulator is not None:
+        profile = dev.emulator.profile
+        return {"source": "emulator profile", "vendor": f"{doctor.AMD_VENDOR_ID:04x}",
+                "device": f"{profile.pci_device:04x}", "revision": f"{profile.pci_revision:02x}",
+                "generation": profile.name, "vbnv": profile.vbnv, "device_type": DEVICE_TYPES["0"]}
+    attributes = doctor.sysfs_attributes(Path("/"), Path(dev.name).name)
+    device_id, revision = (_hex(attributes.get(k)) for k in ("device", "revision"))
+    found = {"source": f"/sys/class/accel/{Path(dev.name).name}/device", "slot": attributes.get("pci_slot"),
+             "vendor": _hex4(attributes.get("vendor")), "device": _hex4(attributes.get("device")),
+             "revision": f"{revision:02x}" if revision is not None else None,
+             "generation": doctor.generation(device_id, revision or 0) if device_id is not None else None,
+             "vbnv": attributes.get("vbnv"), "fw_version": attributes.get("fw_version"),
+             "device_type": DEVICE_TYPES.get(attributes.get("device_type", ""), attributes.get("device_type")),
+             "driver": attributes.get("driver")}
+    return found
+
+
+def _hex(text: str | None) -> int | None:
+    try:
+        return int(text, 16) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _hex4(text: str | None) -> str | None:
+    value = _hex(text)
+    return f"{value:04x}" if value is not None else None
+
+
+def _aie(dev) -> dict[str, Any]:
+    version, meta = dev.aie_version(), dev.aie_metadata()
+    rows = {kind: {"row_start": t.row_start, "row_count": t.row_count, "dma_channels": t.dma_channel_count,
+                   "locks": t.lock_count} for kind, t in (("shim", meta.shim), ("mem", meta.mem), ("core", meta.core))}
+    return {"version": f"{version.major}.{version.minor}", "arch": f"{meta.version.major}.{meta.version.minor}",
+            "columns": meta.cols, "rows": meta.rows, "col_size": meta.col_size, "tiles": rows}
+
+
+def _error(value: Any) -> str | None:
+    return value["error"] if isinstance(value, dict) and set(value) == {"error"} else None
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """The text form: one labelled line per item, then the context table."""
+    lines = [f"{'device':<12}{info['device']}", f"{'pci':<12}{_format_pci(info['pci'])}"]
+    driver = info["driver"]
+    lines.append(f"{'driver':<12}{driver['name']} {driver['version']} (feature level 0.{driver['feature_level']}; "
+                 f"{driver['desc']})")
+    for label, key, fmt in (("firmware", "firmware", str), ("aie", "aie", _format_aie),
+                            ("clocks", "clocks", _format_clocks), ("power mode", "power_mode", str),
+                            ("resources", "resources", _format_resources)):
+        value = info[key]
+        lines.append(f"{label:<12}{_error(value) or fmt(value)}")
+    lines += _format_contexts(info["contexts"])
+    return "\n".join(lines)
+
+
+def _format_pci(pci: dict[str, Any]) -> str:
+    parts = [f"{pci.get('slot')} " if pci.get("slot") else "",
+             f"{pci.get('vendor') or '?'}:{pci.get('device') or '?'} rev {pci.get('revision') or '?'}",
+             f", {pci.get('generation') or 'unknown generation'}", f", {pci.get('vbnv')}" if pci.get("vbnv") else "",
+             f", {pci['device_type']}" if pci.get("device_type") else "", f" (from {pci['source']})"]
+    return "".join(parts)
+
+
+def _format_aie(aie: dict[str, Any]) -> str:
+    tiles = aie["tiles"]
+    kinds = ", ".join(f"{kind} {_rows(t['row_start'], t['row_count'])}" for kind, t in tiles.items())
+    return f"version {aie['version']}, arch {aie['arch']}; {aie['columns']} columns x {aie['rows']} rows ({kinds})"
+
+
+def _rows(start: int, count: int) -> str:
+    return f"row {start}" if count == 1 else f"rows {start}-{start + count - 1}"
+
+
+def _format_clocks(clocks: dict[str, int]) -> str:
+    return ", ".join(f"{name} {mhz} MHz" for name, mhz in clocks.items())
+
+
+def _format_resources(r: dict[str, int]) -> str:
+    return (f"clock max {r['npu_clk_max']} MHz, TOPS {r['npu_tops_curr']} now / {r['npu_tops_max']} max, "
+            f"contexts {r['npu_task_curr']} of {r['npu_task_max']}")
+
+
+def _format_contexts(contexts: Any) -> list[str]:
+    if _error(contexts):
+        return [f"{'contexts':<12}{_error(contexts)}"]
+    if not contexts:
+        return [f"{'contexts':<12}none"]
+    lines = [f"{'contexts':<12}{len(contexts)}",
+             f"  {'id':>4} {'columns':>9} {'pid':>8} {'submitted':>10} {'completed':>10} {'errors':>7}"]
+    for c in contexts:
+        cols = f"{c['start_col']}-{c['start_col'] + c['num_col'] - 1}"
+        lines.append(f"  {c['context_id']:>4} {cols:>9} {c['pid']:>8} {c['command_submissions']:>10} "
+                     f"{c['command_completions']:>10} {c['errors']:>7}")
+    return lines

@@ -1,0 +1,101 @@
+"""``amdxdna insts FILE [--json]``: disassemble an NPU instruction stream (TXN, ``.bin`` or ``.txt``)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+from dataclasses import fields
+
+from ..insts import BlockWrite, DdrPatch, InstsError, MaskWrite, Op, Stream, Sync, Write32, layout, load
+
+__all__ = ["add_parser", "describe", "render", "run"]
+
+EXIT_CODES = """\
+exit codes:
+  0    the stream decoded; listing printed
+  1    the file cannot be read or is not a valid TXN stream (message on stderr)
+  2    usage error"""
+
+_OP_NAMES = {Write32: "write32", BlockWrite: "blockwrite", MaskWrite: "maskwrite", Sync: "sync",
+             DdrPatch: "ddr_patch"}
+# aie-rt XAie_DmaDirection (spec 2.3 SYNC).
+_DIRECTIONS = {0: "S2MM", 1: "MM2S"}
+_WORDS_PER_LINE = 8
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``insts`` on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "insts", help="disassemble an instruction stream (insts.bin or insts.txt)",
+        description="Decode an mlir-aie instruction stream (aie-rt TXN format, binary or one hex word per "
+                    "line) and list its header and ops with the word offset of each op.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", metavar="FILE", help="the instruction stream file")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Decode ``args.file`` and print it; 0 on success, 1 if it cannot be read or decoded."""
+    try:
+        stream = load(args.file)
+    except InstsError as exc:
+        print(f"amdxdna insts: {args.file}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"amdxdna insts: {args.file}: {exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(describe(stream), indent=2) if args.json else render(stream))
+    return 0
+
+
+def describe(stream: Stream) -> dict:
+    """The stable JSON document of issue 2 item 7: header fields and ops with their spec field names."""
+    doc: dict = {"format": "txn"}
+    for name in ("major", "minor", "dev_gen", "rows", "cols", "mem_tile_rows", "num_ops", "size_bytes"):
+        doc[name] = getattr(stream, name)
+    doc["ops"] = [_op_json(op) for op in stream.ops]
+    return doc
+
+
+def _op_json(op: Op) -> dict:
+    out: dict = {"op": _OP_NAMES[type(op)]}
+    for f in fields(op):
+        value = getattr(op, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def render(stream: Stream) -> str:
+    """A listing: the header, then one line per op prefixed with its word offset."""
+    lines = [f"TXN {stream.major}.{stream.minor}  dev_gen {stream.dev_gen}  rows {stream.rows}  cols {stream.cols}"
+             f"  mem_tile_rows {stream.mem_tile_rows}  ops {stream.num_ops}  size {stream.size_bytes} bytes",
+             f"{'word':>6}  op"]
+    for start, op in zip(layout(stream), stream.ops, strict=True):
+        lines.append(f"{start:>6}  {_op_text(op)}")
+        if isinstance(op, BlockWrite):
+            for i in range(0, len(op.words), _WORDS_PER_LINE):
+                lines.append(" " * 8 + "  " + " ".join(f"{w:08x}" for w in op.words[i:i + _WORDS_PER_LINE]))
+    return "\n".join(lines)
+
+
+def _tile(addr: int) -> str:
+    # Tile address = col << 25 | row << 20 | offset (spec 2.3).
+    return f"(col {addr >> 25} row {(addr >> 20) & 0x1F} +{addr & 0xFFFFF:#x})"
+
+
+def _op_text(op: Op) -> str:
+    if isinstance(op, Write32):
+        return f"WRITE32     addr {op.addr:#010x} {_tile(op.addr)}  value {op.value:#010x}"
+    if isinstance(op, MaskWrite):
+        return f"MASKWRITE   addr {op.addr:#010x} {_tile(op.addr)}  value {op.value:#010x}  mask {op.mask:#010x}"
+    if isinstance(op, BlockWrite):
+        return f"BLOCKWRITE  addr {op.addr:#010x} {_tile(op.addr)}  {len(op.words)} words"
+    if isinstance(op, DdrPatch):
+        return f"DDR_PATCH   reg_addr {op.reg_addr:#010x} {_tile(op.reg_addr)}  arg_idx {op.arg_idx}  " \
+               f"arg_plus {op.arg_plus:#x}"
+    return (f"SYNC        direction {_DIRECTIONS.get(op.direction, op.direction)}  row {op.row}  col {op.col}  "
+            f"channel {op.channel}  row_num {op.row_num}  col_num {op.col_num}")

@@ -1,0 +1,239 @@
+"""``amdxdna trace -- COMMAND ...``: run a program with the ioctl trace on, show its ioctls and a summary.
+
+The program runs with ``AMDXDNA_TRACE=1`` in its environment, and this package's directory first on
+``PYTHONPATH`` so that Python programs use this same runtime. Every process of the program that uses
+the package then logs each ioctl through :mod:`amdxdna_direct.trace` (logger ``amdxdna_direct.trace``,
+lines prefixed ``amdxdna-trace:`` on its stderr). This command reads the program's stderr, takes those
+lines out, decodes them into records (device, ioctl name, input fields, result or errno, changed output
+fields, duration) and passes every other line through unchanged. At exit it prints the summary over all
+processes: count, errors and total time per ioctl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+__all__ = ["TraceRecord", "parse_line", "parse_fields", "summarise", "format_summary", "add_parser", "run"]
+
+# The prefix and record format written by amdxdna_direct.trace (Tracer.call, enable()).
+TRACE_PREFIX = "amdxdna-trace: "
+_RECORD = re.compile(r"^(?P<device>\S+) (?P<name>\w+)\((?P<fields>.*?)\) -> (?P<result>.*) "
+                     r"(?P<us>\d+(?:\.\d+)?)us$")
+_OK_RESULT = re.compile(r"^(?P<value>-?\d+) \{(?P<changed>.*)\}$")
+# The per-process summary trace.py logs at exit: a header line, then a table without the prefix.
+_SUMMARY_HEAD = re.compile(r"^ioctl summary for pid \d+:$")
+_SUMMARY_ROW = re.compile(r"^(ioctl\s+count\s+errors\s+total ms\s+mean us|\S+\s+\d+\s+\d+\s+\d+\.\d+\s+\d+\.\d+)$")
+
+EXIT_CODES = """\
+exit codes:
+  N    the exit status of COMMAND (128+signal when a signal ended it)
+  1    COMMAND could not be started (not found, not executable)
+  2    usage error (no COMMAND given)"""
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One traced ioctl: ``result`` is the return value, or None when it failed with ``error``."""
+
+    device: str
+    name: str
+    fields: dict[str, int | str]
+    result: int | None
+    changed: dict[str, int | str]
+    error: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        """The record as a plain dict (for ``--json``)."""
+        return asdict(self)
+
+    def format(self) -> str:
+        """One line: ``NAME(fields) -> result {changed} 12.3us`` or ``... -> ENAME (text) 12.3us``."""
+        outcome = f"{self.result} {{{_join(self.changed)}}}" if self.error == "" else self.error
+        return f"{self.device} {self.name}({_join(self.fields)}) -> {outcome} {self.seconds * 1e6:.1f}us"
+
+
+_FIELD_SPLIT = re.compile(r", (?=\w+=)")
+_INT = re.compile(r"-?(0x[0-9a-fA-F]+|\d+)")
+
+
+def parse_fields(text: str) -> dict[str, int | str]:
+    """``"a=1, b=0x10, c=b'x'"`` -> ``{"a": 1, "b": 16, "c": "b'x'"}`` (integers decoded, the rest kept as text)."""
+    fields: dict[str, int | str] = {}
+    for item in _FIELD_SPLIT.split(text) if text else []:
+        key, _, value = item.partition("=")
+        fields[key] = int(value, 0) if _INT.fullmatch(value) else value
+    return fields
+
+
+def _join(fields: dict[str, int | str]) -> str:
+    return ", ".join(f"{k}={hex(v) if isinstance(v, int) and v > 0xFFFF else v}" for k, v in fields.items())
+
+
+def parse_line(text: str) -> TraceRecord | None:
+    """The record of one trace log message (the text after the prefix), or None if it is not a record."""
+    match = _RECORD.match(text)
+    if match is None:
+        return None
+    ok = _OK_RESULT.match(match["result"])
+    seconds = float(match["us"]) * 1e-6
+    fields = parse_fields(match["fields"])
+    if ok is not None:
+        return TraceRecord(match["device"], match["name"], fields, int(ok["value"]), parse_fields(ok["changed"]), "",
+                           seconds)
+    return TraceRecord(match["device"], match["name"], fields, None, {}, match["result"], seconds)
+
+
+def summarise(records: Iterable[TraceRecord]) -> dict[str, dict[str, float]]:
+    """``{ioctl: {"count", "errors", "total_ms"}}`` over ``records``, by ioctl name."""
+    table: dict[str, dict[str, float]] = {}
+    for record in records:
+        row = table.setdefault(record.name, {"count": 0, "errors": 0, "total_ms": 0.0})
+        row["count"] += 1
+        row["errors"] += record.error != ""
+        row["total_ms"] += record.seconds * 1e3
+    return dict(sorted(table.items()))
+
+
+def format_summary(table: dict[str, dict[str, float]]) -> str:
+    """The summary as a text table with a total line."""
+    lines = [f"{'ioctl':<24}{'count':>8}{'errors':>8}{'total ms':>12}{'mean us':>10}"]
+    for name, row in table.items():
+        mean_us = row["total_ms"] * 1e3 / row["count"]
+        lines.append(f"{name:<24}{row['count']:>8}{row['errors']:>8}{row['total_ms']:>12.3f}{mean_us:>10.1f}")
+    count = sum(row["count"] for row in table.values())
+    total = sum(row["total_ms"] for row in table.values())
+    lines.append(f"{'total':<24}{count:>8}{sum(r['errors'] for r in table.values()):>8}{total:>12.3f}")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``trace`` on an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "trace", help="run a program with every ioctl traced, then summarise",
+        description=textwrap.fill(
+            "Run COMMAND with AMDXDNA_TRACE=1 and show every ioctl its processes make through "
+            "amdxdna_direct (name, input fields, result or errno, changed output fields, duration), "
+            "then a summary per ioctl (count, errors, total and mean time). The program's own "
+            "stdout is untouched; its stderr passes through minus the trace lines. This package's "
+            "directory is put first on PYTHONPATH so Python programs trace through it. Example: "
+            "amdxdna trace -- python script.py", 100),
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", metavar="DEV",
+                        help="device for the program, exported as AMDXDNA_DEVICE (/dev/accel/accel0, emu, "
+                             "emu:npu1; default: the inherited AMDXDNA_DEVICE, else the program's choice)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document at exit (command, exit status, records, summary) "
+                             "instead of the text log and table (default: text)")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="write the trace to FILE instead of stdout (default: stdout)")
+    parser.add_argument("--no-log", action="store_true",
+                        help="print only the summary, not each ioctl (default: print each ioctl as it happens)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the program and its arguments, after --")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``args.command`` traced; return its exit status (1 if it cannot start, 2 without a command)."""
+    command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+    if not command:
+        print("amdxdna trace: no COMMAND given (usage: amdxdna trace [options] -- COMMAND ...)", file=sys.stderr)
+        return 2
+    env = dict(os.environ, AMDXDNA_TRACE="1", PYTHONPATH=_python_path())
+    if args.device is not None:
+        env["AMDXDNA_DEVICE"] = args.device
+    with _open_output(args.output) as out:
+        try:
+            child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        except OSError as exc:
+            print(f"amdxdna trace: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
+            return 1
+        live = None if args.json or args.no_log else out
+        records = _collect(child.stderr, live)
+        status = child.wait()
+        _report(out, command, status, records, args.json)
+    return 128 - status if status < 0 else status
+
+
+def _python_path() -> str:
+    """$PYTHONPATH with this package's parent directory first, so Python programs trace through this runtime."""
+    package_parent = str(Path(__file__).resolve().parents[2])
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_parent]
+    return os.pathsep.join([package_parent, *rest])
+
+
+class _open_output:
+    """stdout, or a file opened for writing; closed on exit only when it is a file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.stream: IO[str] = sys.stdout
+
+    def __enter__(self) -> IO[str]:
+        if self.path is not None:
+            self.stream = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
+        return self.stream
+
+    def __exit__(self, *exc_info) -> None:
+        if self.path is not None:
+            self.stream.close()
+        else:
+            self.stream.flush()
+
+
+def _collect(stderr: IO[bytes], live: IO[str] | None) -> list[TraceRecord]:
+    """Split the program's stderr into trace records (echoed to ``live``) and pass-through lines."""
+    records: list[TraceRecord] = []
+    in_summary = False
+    passthrough = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    for raw in iter(stderr.readline, b""):
+        text = raw.decode("utf-8", "replace").rstrip("\n")
+        if text.startswith(TRACE_PREFIX):
+            message = text[len(TRACE_PREFIX):]
+            in_summary = bool(_SUMMARY_HEAD.match(message))
+            record = parse_line(message)
+            if record is not None:
+                records.append(record)
+                if live is not None:
+                    print(record.format(), file=live, flush=True)
+                continue
+            if in_summary:
+                continue
+        elif in_summary and _SUMMARY_ROW.match(text):
+            continue  # we print our own summary over every process
+        in_summary = False
+        _pass_through(raw, passthrough)
+    stderr.close()
+    return records
+
+
+def _pass_through(raw: bytes, binary: IO[bytes] | None) -> None:
+    if binary is not None:
+        binary.write(raw)
+        binary.flush()
+    else:
+        sys.stderr.write(raw.decode("utf-8", "replace"))
+
+
+def _report(out: IO[str], command: list[str], status: int, records: list[TraceRecord], as_json: bool) -> None:
+    table = summarise(records)
+    if as_json:
+        document = {"command": command, "exit_status": status, "records": [r.to_dict() for r in records],
+                    "summary": table}
+        json.dump(document, out, indent=2)
+        out.write("\n")
+        return
+    print(f"-- {len(records)} ioctls traced; {command[0]} exited with status {status}", file=out)
+    if records:
+        print(format_summary(table), file=out)

@@ -1,0 +1,736 @@
+"""Opening a device, typed info queries, the per-fd device heap, ioctl dispatch and teardown.
+
+``open_device`` finds or builds a seam (real ``/dev/accel/accelN`` or the emulator) and returns a
+``Device``; everything else (buffers, contexts, runs) is created from it and closed with it, in
+reverse order of creation (spec xrt-npu-sequence.md 1.10).
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import abi, trace
+from .errors import DeviceLostError, NoDeviceError, XdnaError, errno_text, error_class, format_call, ioctl_error
+from .seam import OsSeam, Seam
+
+if TYPE_CHECKING:
+    from .bo import Bo
+    from .hwctx import HwContext
+
+__all__ = [
+    "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
+    "ClockMetadata", "FirmwareVersion", "HwContextInfo", "PowerMode", "ResourceInfo", "HeapChunk",
+    "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE",
+]
+
+DRIVER_NAME = "amdxdna_accel_driver"  # DRM_IOCTL_VERSION name (spec amdxdna-uapi.md 5)
+DEFAULT_EMU_PROFILE = "npu4"
+# The heap: 64 MiB chunks (AIE2_DEVM_SIZE), mapped at a 64 MiB-aligned VA as XRT, XRT-lite and ROCr do;
+# newer drivers grow it contiguously up to 512 MiB (spec xrt-npu-sequence.md 1.2, amdxdna-uapi.md 4.4).
+HEAP_CHUNK_SIZE = 64 << 20
+HEAP_MAX_SIZE = 512 << 20
+_INVALID = (1 << 64) - 1
+
+_PERMISSION_HINT = ("add your user to the 'render' group (sudo usermod -aG render $USER, then log in again); "
+                    "in a container pass --device /dev/accel/accel0 --group-add render")
+_NO_DEVICE_HINT = ("no /dev/accel/accel* node bound to the amdxdna driver; to run without an NPU use the "
+                   "emulator: open_device('emu') or AMDXDNA_DEVICE=emu (profiles: emu:npu1, emu:npu4, ...)")
+
+
+# ---------------------------------------------------------------------------------------------
+# typed info results (GET_INFO payloads, spec amdxdna-uapi.md 2.5 and 10)
+
+
+@dataclass(frozen=True)
+class DriverVersion:
+    """DRM_IOCTL_VERSION answer: the driver name, feature-level version and description."""
+
+    name: str
+    major: int
+    minor: int
+    patchlevel: int
+    date: str
+    desc: str
+
+
+@dataclass(frozen=True)
+class AieVersion:
+    """QUERY_AIE_VERSION: firmware-reported AIE protocol version."""
+
+    major: int
+    minor: int
+
+
+@dataclass(frozen=True)
+class TileMetadata:
+    """One tile-row class of QUERY_AIE_METADATA (core, mem or shim)."""
+
+    row_count: int
+    row_start: int
+    dma_channel_count: int
+    lock_count: int
+    event_reg_count: int
+
+
+@dataclass(frozen=True)
+class AieMetadata:
+    """QUERY_AIE_METADATA: array geometry; ``core.row_count`` sizes contexts (num_tiles)."""
+
+    col_size: int
+    cols: int
+    rows: int
+    version: AieVersion
+    core: TileMetadata
+    mem: TileMetadata
+    shim: TileMetadata
+
+
+@dataclass(frozen=True)
+class Clock:
+    """One named clock and its frequency."""
+
+    name: str
+    freq_mhz: int
+
+
+@dataclass(frozen=True)
+class ClockMetadata:
+    """QUERY_CLOCK_METADATA."""
+
+    mp_npu_clock: Clock
+    h_clock: Clock
+
+
+@dataclass(frozen=True)
+class FirmwareVersion:
+    """QUERY_FIRMWARE_VERSION."""
+
+    major: int
+    minor: int
+    patch: int
+    build: int
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}.{self.patch}.{self.build}"
+
+
+@dataclass(frozen=True)
+class HwContextInfo:
+    """One QUERY_HW_CONTEXTS entry."""
+
+    context_id: int
+    start_col: int
+    num_col: int
+    pid: int
+    command_submissions: int
+    command_completions: int
+    migrations: int
+    preemptions: int
+    errors: int
+
+
+POWER_MODE_NAMES = {0: "DEFAULT", 1: "LOW", 2: "MEDIUM", 3: "HIGH", 4: "TURBO"}
+
+
+@dataclass(frozen=True)
+class PowerMode:
+    """GET_POWER_MODE."""
+
+    mode: int
+
+    @property
+    def name(self) -> str:
+        """DEFAULT / LOW / MEDIUM / HIGH / TURBO."""
+        return POWER_MODE_NAMES.get(self.mode, f"MODE_{self.mode}")
+
+
+@dataclass(frozen=True)
+class ResourceInfo:
+    """QUERY_RESOURCE_INFO (driver feature level 0.4+)."""
+
+    npu_clk_max: int
+    npu_tops_max: int
+    npu_task_max: int
+    npu_tops_curr: int
+    npu_task_curr: int
+
+
+@dataclass(frozen=True)
+class HeapChunk:
+    """One 64 MiB DEV_HEAP BO and where it is mapped."""
+
+    handle: int
+    xdna_addr: int
+    va: int
+    size: int
+
+
+# ---------------------------------------------------------------------------------------------
+# the open file: what finalizers hold (never the Device itself, so a Device can be collected)
+
+
+class _Resource:
+    """An idempotent release action registered with the file; runs at most once."""
+
+    __slots__ = ("_fn", "_args", "alive")
+
+    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        self._fn, self._args, self.alive = fn, args, True
+
+    def __call__(self) -> None:
+        if self.alive:
+            self.alive = False
+            fn, args = self._fn, self._args
+            self._fn, self._args = None, ()
+            fn(*args)
+
+    def detach(self) -> None:
+        """Forget the action without running it."""
+        self.alive = False
+        self._fn, self._args = None, ()
+
+
+class DeviceFile:
+    """The open device file: seam, ioctl dispatch (trace, stats, typed errors, lost latch) and the
+    ordered registry of everything created on it. Buffers and contexts hold this, not the Device."""
+
+    def __init__(self, seam: Seam, emulator: Any = None, owns_emulator: bool = False) -> None:
+        self.seam = seam
+        self.name = seam.name
+        self.emulator = emulator
+        self.owns_emulator = owns_emulator
+        self.stats: Counter[str] = Counter()
+        self.lost: DeviceLostError | None = None
+        self.lock = threading.RLock()
+        self.closed = False
+        self._children: list[Any] = []
+
+    def ioctl(self, request: int, cdata, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
+        """Issue ``request`` on the cffi struct ``cdata`` (passed as ``ffi.buffer``).
+
+        Raises:
+            DeviceLostError: the device was lost earlier (latched) or answers ENODEV now.
+            XdnaError: the typed error for the errno, naming the ioctl and ``fields``.
+        """
+        return self.ioctl_buffer(request, abi.ffi.buffer(cdata), fields, hint)
+
+    def ioctl_buffer(self, request: int, buf, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
+        """``ioctl`` on a raw writable buffer (same errors)."""
+        name = trace.describe_request(request)[0]
+        if self.lost is not None:
+            raise DeviceLostError(errno.ENODEV, f"{format_call(name, fields)}: device lost earlier: {self.lost}")
+        if self.closed:
+            raise XdnaError(errno.EBADF, f"{format_call(name, fields)}: {errno_text(errno.EBADF)}; device closed")
+        with self.lock:
+            self.stats[name] += 1
+        try:
+            if trace.enabled():
+                return trace.TRACER.call(self.name, request, buf, self.seam.ioctl)
+            return self.seam.ioctl(request, buf)
+        except OSError as exc:
+            err = ioctl_error(name, fields, exc.errno or errno.EIO, hint)
+            if isinstance(err, DeviceLostError):
+                self.lost = err
+            raise err from exc
+
+    def register(self, fn: Callable[..., None], *args: Any) -> _Resource:
+        """Record a release action; ``close`` runs the live ones in reverse order of registration."""
+        res = _Resource(fn, *args)
+        with self.lock:
+            if len(self._children) > 64 and len(self._children) % 64 == 0:
+                self._children = [c for c in self._children if c.alive]
+            self._children.append(res)
+        return res
+
+    def close(self) -> None:
+        """Release every registered resource (newest first), then close the seam; idempotent.
+
+        Raises:
+            XdnaError: the first release that failed (the rest still ran).
+        """
+        with self.lock:
+            if self.closed:
+                return
+            children, self._children = self._children, []
+        first: BaseException | None = None
+        for res in reversed(children):
+            try:
+                res()
+            except XdnaError as exc:
+                first = first or exc
+        with self.lock:
+            self.closed = True
+        self.seam.close()
+        if self.owns_emulator and self.emulator is not None:
+            self.emulator.close()
+        if first is not None:
+            raise first
+
+
+def release_steps(*steps: Callable[[], Any]) -> None:
+    """Run teardown steps in order; a lost device ends the ioctl steps quietly (closing the fd frees
+    everything in the driver, spec 1.10); any other failure is raised after all steps ran.
+
+    Raises:
+        XdnaError: the first step that failed for another reason than a lost device.
+    """
+    first: XdnaError | None = None
+    for step in steps:
+        try:
+            step()
+        except DeviceLostError:
+            continue
+        except XdnaError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Device:
+    """An open amdxdna device (real or emulated).
+
+    Use ``open_device``. Creates buffers (``bo``), hardware contexts (``hw_context``), answers typed
+    info queries, owns the per-fd device heap, and closes everything in reverse order on ``close``.
+    ``stats`` counts ioctls by name plus ``bytes_in`` / ``bytes_out`` copied through ``Bo.write`` / ``read``.
+    """
+
+    def __init__(self, seam: Seam, *, emulator: Any = None, owns_emulator: bool = False) -> None:
+        """Wrap an open seam and check that the driver behind it is amdxdna.
+
+        Raises:
+            NoDeviceError: the driver is not amdxdna (named in the message).
+            XdnaError: DRM_IOCTL_VERSION failed.
+        """
+        self.file = DeviceFile(seam, emulator, owns_emulator)
+        self._heap_state = _HeapState()
+        self._metadata: AieMetadata | None = None
+        self._finalizer = weakref.finalize(self, _close_quietly, self.file)
+        try:
+            self.version = self._query_version()
+        except BaseException:
+            self._finalizer()
+            raise
+        if self.version.name != DRIVER_NAME:
+            self._finalizer()
+            raise NoDeviceError(errno.ENODEV, f"{self.name}: driver {self.version.name!r} "
+                                              f"({self.version.desc}) is not amdxdna ({DRIVER_NAME!r})")
+
+    # -- identity ------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The node path, or ``emu:<profile>``."""
+        return self.file.name
+
+    @property
+    def emulator(self) -> Any:
+        """The ``EmuDevice`` behind this device, or None on real hardware."""
+        return self.file.emulator
+
+    @property
+    def stats(self) -> Counter[str]:
+        """ioctls issued by name, plus ``bytes_in`` / ``bytes_out``."""
+        return self.file.stats
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran."""
+        return self.file.closed
+
+    def __repr__(self) -> str:
+        return f"<Device {self.name} {self.version.name} {self.version.major}.{self.version.minor}>"
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every buffer, context and run created here (newest first), the heap, then the fd.
+
+        Raises:
+            XdnaError: a release ioctl failed (everything else was still released).
+        """
+        self._finalizer.detach()
+        self.file.close()
+
+    # -- ioctls --------------------------------------------------------------------------------
+
+    def raw_ioctl(self, request: int, buf) -> int:
+        """Issue any ioctl with a writable buffer, through the trace, stats and error mapping.
+
+        Raises:
+            XdnaError: typed by errno (DeviceLostError latches).
+        """
+        return self.file.ioctl_buffer(request, buf)
+
+    def _query_version(self) -> DriverVersion:
+        ffi = abi.ffi
+        strings = {key: ffi.new("char[]", 128) for key in ("name", "date", "desc")}
+        ver = ffi.new("struct drm_version *")
+        for key, buf in strings.items():
+            setattr(ver, key, buf)
+            setattr(ver, f"{key}_len", len(buf))
+        self.file.ioctl(abi.DRM_IOCTL_VERSION, ver)
+        text = {key: ffi.string(buf, min(getattr(ver, f"{key}_len"), len(buf))).decode(errors="replace")
+                for key, buf in strings.items()}
+        return DriverVersion(text["name"], ver.version_major, ver.version_minor, ver.version_patchlevel,
+                             text["date"], text["desc"])
+
+    def _get_info(self, param_name: str, ctype: str, count: int = 1):
+        ffi = abi.ffi
+        param = getattr(abi, param_name)
+        out = ffi.new(f"{ctype}[]", count)
+        req = ffi.new("struct amdxdna_drm_get_info *")
+        req.param = param
+        req.buffer_size = ffi.sizeof(out)
+        req.buffer = int(ffi.cast("uintptr_t", out))
+        short = param_name.removeprefix("DRM_AMDXDNA_")
+        try:
+            self.file.ioctl(abi.DRM_IOCTL_AMDXDNA_GET_INFO, req, {"param": short, "buffer_size": req.buffer_size})
+        except XdnaError as exc:
+            if exc.errno == errno.EOPNOTSUPP:
+                raise XdnaError(exc.errno, f"{exc}: {short} is not supported by this driver") from exc
+            raise
+        return out
+
+    # -- typed info ----------------------------------------------------------------------------
+
+    def aie_version(self) -> AieVersion:
+        """GET_INFO QUERY_AIE_VERSION.
+
+        Raises:
+            XdnaError: the query failed (EOPNOTSUPP says "not supported by this driver").
+        """
+        v = self._get_info("DRM_AMDXDNA_QUERY_AIE_VERSION", "struct amdxdna_drm_query_aie_version")[0]
+        return AieVersion(v.major, v.minor)
+
+    def aie_metadata(self) -> AieMetadata:
+        """GET_INFO QUERY_AIE_METADATA (cached: XRT queries it once, spec 0 step 4).
+
+        Raises:
+            XdnaError: the query failed.
+        """
+        if self._metadata is None:
+            m = self._get_info("DRM_AMDXDNA_QUERY_AIE_METADATA", "struct amdxdna_drm_query_aie_metadata")[0]
+            tiles = [TileMetadata(t.row_count, t.row_start, t.dma_channel_count, t.lock_count, t.event_reg_count)
+                     for t in (m.core, m.mem, m.shim)]
+            self._metadata = AieMetadata(m.col_size, m.cols, m.rows, AieVersion(m.version.major, m.version.minor),
+                                         *tiles)
+        return self._metadata
+
+    def clock_metadata(self) -> ClockMetadata:
+        """GET_INFO QUERY_CLOCK_METADATA.
+
+        Raises:
+            XdnaError: the query failed.
+        """
+        c = self._get_info("DRM_AMDXDNA_QUERY_CLOCK_METADATA", "struct amdxdna_drm_query_clock_metadata")[0]
+        ffi = abi.ffi
+        return ClockMetadata(*(Clock(ffi.string(k.name).decode(errors="replace"), k.freq_mhz)
+                               for k in (c.mp_npu_clock, c.h_clock)))
+
+    def firmware_version(self) -> FirmwareVersion:
+        """GET_INFO QUERY_FIRMWARE_VERSION.
+
+        Raises:
+            XdnaError: the query failed.
+        """
+        f = self._get_info("DRM_AMDXDNA_QUERY_FIRMWARE_VERSION", "struct amdxdna_drm_query_firmware_version")[0]
+        return FirmwareVersion(f.major, f.minor, f.patch, f.build)
+
+    def power_mode(self) -> PowerMode:
+        """GET_INFO GET_POWER_MODE.
+
+        Raises:
+            XdnaError: the query failed.
+        """
+        return PowerMode(self._get_info("DRM_AMDXDNA_GET_POWER_MODE", "struct amdxdna_drm_get_power_mode")[0]
+                         .power_mode)
+
+    def resource_info(self) -> ResourceInfo:
+        """GET_INFO QUERY_RESOURCE_INFO (feature level 0.4+).
+
+        Raises:
+            XdnaError: the query failed; EOPNOTSUPP on older drivers ("not supported by this driver").
+        """
+        r = self._get_info("DRM_AMDXDNA_QUERY_RESOURCE_INFO", "struct amdxdna_drm_get_resource_info")[0]
+        return ResourceInfo(r.npu_clk_max, r.npu_tops_max, r.npu_task_max, r.npu_tops_curr, r.npu_task_curr)
+
+    def hw_contexts(self, max_entries: int = 64) -> list[HwContextInfo]:
+        """GET_INFO QUERY_HW_CONTEXTS: every context on the device.
+
+        The returned buffer_size has changed meaning across versions (spec 10), so entries are counted
+        by what can be verified: context ids start at 1, a zeroed slot is unused.
+
+        Raises:
+            XdnaError: the query failed.
+        """
+        out = self._get_info("DRM_AMDXDNA_QUERY_HW_CONTEXTS", "struct amdxdna_drm_query_hwctx", max_entries)
+        return [HwContextInfo(e.context_id, e.start_col, e.num_col, e.pid, e.command_submissions,
+                              e.command_completions, e.migrations, e.preemptions, e.errors)
+                for e in out if e.context_id != 0]
+
+    # -- the device heap -----------------------------------------------------------------------
+
+    @property
+    def heap(self) -> tuple[HeapChunk, ...]:
+        """The heap chunks created so far (empty until the first DEV BO or context)."""
+        return tuple(self._heap_state.chunks)
+
+    def ensure_heap(self) -> HeapChunk:
+        """Create and map the first 64 MiB heap chunk if this fd has none; return the first chunk.
+
+        XRT order (spec 0 step 2): CREATE_BO DEV_HEAP, GET_BO_INFO, reserve an aligned VA range,
+        mmap MAP_FIXED into it. The whole growth range (512 MiB) is reserved at once so later chunks
+        land at contiguous VAs, which expandable-heap drivers require ("uva is not contiguous").
+
+        Raises:
+            XdnaError: an ioctl or mapping failed (nothing is left behind).
+        """
+        with self.file.lock:
+            if not self._heap_state.chunks:
+                self._add_heap_chunk()
+            return self._heap_state.chunks[0]
+
+    def grow_heap(self) -> HeapChunk:
+        """Append one contiguous 64 MiB chunk (what XRT does when a DEV BO allocation answers EAGAIN).
+
+        Raises:
+            XdnaError: the heap is at its maximum, or the driver refused the chunk.
+        """
+        with self.file.lock:
+            if not self._heap_state.chunks:
+                return self.ensure_heap()
+            if len(self._heap_state.chunks) * HEAP_CHUNK_SIZE >= HEAP_MAX_SIZE:
+                raise XdnaError(errno.ENOSPC, f"{format_call('CREATE_BO', {'type': 'DEV'})}: "
+                                              f"{errno_text(errno.ENOSPC)}; device heap is at its "
+                                              f"{HEAP_MAX_SIZE >> 20} MiB maximum")
+            return self._add_heap_chunk()
+
+    def heap_cpu_address(self, xdna_addr: int) -> int:
+        """The CPU address of a device address inside the heap (heap VA + offset, spec 1.2).
+
+        Raises:
+            ValueError: the address is outside every mapped chunk.
+        """
+        for chunk in self._heap_state.chunks:
+            if chunk.xdna_addr <= xdna_addr < chunk.xdna_addr + chunk.size:
+                return chunk.va + (xdna_addr - chunk.xdna_addr)
+        raise ValueError(f"device address {xdna_addr:#x} is outside the mapped heap")
+
+    def _add_heap_chunk(self) -> HeapChunk:
+        file, state = self.file, self._heap_state
+        if state.reservation is None:
+            state.reservation = (self._reserve(HEAP_MAX_SIZE), HEAP_MAX_SIZE)
+            file.register(_release_reservation, file, state)
+        va = state.reservation[0] + len(state.chunks) * HEAP_CHUNK_SIZE
+        handle = create_bo(file, HEAP_CHUNK_SIZE, abi.AMDXDNA_BO_DEV_HEAP, "DEV_HEAP")
+        try:
+            info = get_bo_info(file, handle)
+            map_bo(file, HEAP_CHUNK_SIZE, info.map_offset, va)
+        except BaseException:
+            release_steps(lambda: gem_close(file, handle))
+            raise
+        chunk = HeapChunk(handle, info.xdna_addr, va, HEAP_CHUNK_SIZE)
+        state.chunks.append(chunk)
+        file.register(_release_heap_chunk, file, chunk)
+        return chunk
+
+    def _reserve(self, length: int) -> int:
+        try:
+            return self.file.seam.reserve(length, HEAP_CHUNK_SIZE)
+        except OSError as exc:
+            raise error_class("reserve", exc.errno)(exc.errno, f"{format_call('reserve', {'length': length})}: "
+                                                               f"{errno_text(exc.errno)}") from exc
+
+    # -- factories -----------------------------------------------------------------------------
+
+    def bo(self, size: int, kind: str = "shmem") -> Bo:
+        """Allocate a buffer object: ``"shmem"`` (data), ``"dev"`` (heap: instructions, PDIs) or ``"cmd"``.
+
+        Raises:
+            TypeError, ValueError: bad size or kind.
+            XdnaError: the driver refused (message names CREATE_BO and its fields).
+        """
+        from .bo import Bo
+
+        return Bo(self, size, kind)
+
+    def hw_context(self, xclbin: Any, kernel: str | None = None, priority: int | str | None = None) -> HwContext:
+        """Create a hardware context for ``xclbin`` (CREATE_HWCTX + PDI DEV BOs + CONFIG_CU).
+
+        Raises:
+            ContextUnavailableError: the device has no room (ENODEV / EINVAL / EBUSY from CREATE_HWCTX).
+            XdnaError: another step failed (nothing is left behind).
+        """
+        from .hwctx import HwContext
+
+        return HwContext(self, xclbin, kernel=kernel, priority=priority)
+
+
+# ---------------------------------------------------------------------------------------------
+# BO primitives shared by bo.py and the heap
+
+
+@dataclass(frozen=True)
+class BoInfo:
+    """GET_BO_INFO answer."""
+
+    handle: int
+    map_offset: int
+    vaddr: int
+    xdna_addr: int
+
+
+def create_bo(file: DeviceFile, size: int, bo_type: int, type_name: str) -> int:
+    """CREATE_BO; returns the GEM handle.
+
+    Raises:
+        XdnaError: the driver refused.
+    """
+    req = abi.ffi.new("struct amdxdna_drm_create_bo *")
+    req.size = size
+    req.type = bo_type
+    file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_BO, req, {"type": type_name, "size": size})
+    return req.handle
+
+
+def get_bo_info(file: DeviceFile, handle: int) -> BoInfo:
+    """GET_BO_INFO.
+
+    Raises:
+        XdnaError: the driver refused.
+    """
+    req = abi.ffi.new("struct amdxdna_drm_get_bo_info *")
+    req.handle = handle
+    file.ioctl(abi.DRM_IOCTL_AMDXDNA_GET_BO_INFO, req, {"handle": handle})
+    return BoInfo(handle, req.map_offset, req.vaddr, req.xdna_addr)
+
+
+def gem_close(file: DeviceFile, handle: int) -> None:
+    """DRM_IOCTL_GEM_CLOSE.
+
+    Raises:
+        XdnaError: the driver refused.
+    """
+    req = abi.ffi.new("struct drm_gem_close *")
+    req.handle = handle
+    file.ioctl(abi.DRM_IOCTL_GEM_CLOSE, req, {"handle": handle})
+
+
+def map_bo(file: DeviceFile, length: int, offset: int, addr: int = 0) -> int:
+    """mmap a BO through the seam; errors name mmap, offset and errno.
+
+    Raises:
+        XdnaError: the mapping failed.
+    """
+    try:
+        return file.seam.mmap(length, offset, addr)
+    except OSError as exc:
+        fields = {"length": length, "offset": offset, "addr": addr}
+        raise error_class("mmap", exc.errno)(exc.errno, f"{format_call('mmap', fields)}: "
+                                                        f"{errno_text(exc.errno)}") from exc
+
+
+class _HeapState:
+    """The heap's VA reservation and chunks (shared with the release actions, not the Device)."""
+
+    def __init__(self) -> None:
+        self.reservation: tuple[int, int] | None = None
+        self.chunks: list[HeapChunk] = []
+
+
+def _release_reservation(file: DeviceFile, state: _HeapState) -> None:
+    # Chunks are unmapped by their own release actions (registered later, so run earlier); what is
+    # left of the reservation is its untouched tail.
+    if state.reservation is None:
+        return
+    base, length = state.reservation
+    used = len(state.chunks) * HEAP_CHUNK_SIZE
+    state.reservation = None
+    state.chunks.clear()
+    if length > used:
+        file.seam.munmap(base + used, length - used)
+
+
+def _release_heap_chunk(file: DeviceFile, chunk: HeapChunk) -> None:
+    release_steps(lambda: file.seam.munmap(chunk.va, chunk.size), lambda: gem_close(file, chunk.handle))
+
+
+def _close_quietly(file: DeviceFile) -> None:
+    # Garbage collection of a Device nobody closed: release what is left; errors have nowhere to go.
+    try:
+        file.close()
+    except XdnaError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# opening
+
+
+def open_device(spec: Any = None) -> Device:
+    """Open a device.
+
+    ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device), an
+    ``EmuDevice`` (a new fd on it), a path such as ``"/dev/accel/accel0"``, or None: the environment
+    variable ``AMDXDNA_DEVICE`` if set, else the first ``/dev/accel/accel*`` bound to amdxdna.
+
+    Raises:
+        NoDeviceError: nothing to open (the message says how to use the emulator), or not amdxdna.
+        PermissionDeniedError: the node exists but may not be opened (the message gives the fix).
+        XdnaError: another failure while opening.
+    """
+    if spec is None:
+        spec = os.environ.get("AMDXDNA_DEVICE") or _discover()
+    if isinstance(spec, str) and (spec == "emu" or spec.startswith("emu:")):
+        from .emu import EmuDevice
+
+        emu = EmuDevice(spec.partition(":")[2] or DEFAULT_EMU_PROFILE)
+        try:
+            return Device(emu.open(), emulator=emu, owns_emulator=True)
+        except BaseException:
+            emu.close()
+            raise
+    if isinstance(spec, (str, os.PathLike)):
+        return Device(_open_path(os.fspath(spec)))
+    if hasattr(spec, "open") and hasattr(spec, "models"):
+        return Device(spec.open(), emulator=spec)
+    raise TypeError(f"open_device: expected 'emu', 'emu:<profile>', a device path, an EmuDevice or None, "
+                    f"got {type(spec).__name__}")
+
+
+def _open_path(path: str) -> OsSeam:
+    try:
+        return OsSeam(path)
+    except OSError as exc:
+        hint = _PERMISSION_HINT if exc.errno in (errno.EACCES, errno.EPERM) else ""
+        if exc.errno in (errno.ENOENT, errno.ENXIO):
+            hint = _NO_DEVICE_HINT
+        raise ioctl_error("open", {"path": path}, exc.errno, hint) from exc
+
+
+def _discover() -> str:
+    for node in sorted(glob.glob("/dev/accel/accel*"), key=_node_number):
+        driver = os.path.join("/sys/class/accel", os.path.basename(node), "device", "driver")
+        if os.path.basename(os.path.realpath(driver)) == "amdxdna":
+            return node
+    raise NoDeviceError(errno.ENODEV, f"open_device(): {errno_text(errno.ENODEV)}; {_NO_DEVICE_HINT}")
+
+
+def _node_number(node: str) -> int:
+    digits = node.rsplit("accel", 1)[-1]
+    return int(digits) if digits.isdigit() else 1 << 30

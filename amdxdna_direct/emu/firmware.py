@@ -1,0 +1,663 @@
+"""The emulated firmware: runs the jobs EXEC_CMD queued, asynchronously, and reports as the driver does.
+
+Each hardware context gets a lane: a worker thread that takes the context's jobs in submission
+order (so they complete in order) and an engine thread that runs kernel models. A job goes
+through two phases, mirroring the driver's run_job and the firmware:
+
+* driver checks (spec/amdxdna-uapi.md 6.1-6.5): the packet header, the opcode, the CU mask, the
+  chain's sub-commands and the 4 KiB command-list budget. A failure here leaves the header state
+  NEW while the fence still signals (spec 6.6);
+* firmware execution: the regmap (mlir-aie layout, xrt-npu-sequence.md 1.7), the TXN stream in the
+  heap window, every DDR_PATCH resolved to a BO, then the model bound to the stream's digest.
+  A failure is ERROR with the payload 0xFF-filled (spec 6.6).
+
+TDR (spec 6.7; staging's tdr_timeout_ms with progress detection): a model that makes no progress
+(its engine thread burns no CPU) for `tdr_timeout` seconds is abandoned: its job ends TIMEOUT with a
+context-health record, the context's other in-flight jobs end ABORT, and the lane gets a fresh engine,
+so the context stays usable. An injected hang is an Event wait: it burns no CPU, and the task never
+calls its model once abandoned, so nothing is written after TDR.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import txn
+from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault
+from .models import Model, ModelRegistry, stream_digest
+
+logger = logging.getLogger("amdxdna_direct.emu")
+
+# ERT opcodes and states (spec 3, "Kernel-internal").
+ERT_START_CU = 0
+ERT_START_DPU = 18
+ERT_CMD_CHAIN = 19
+ERT_START_NPU = 20
+ERT_START_NPU_PREEMPT = 21
+ERT_START_NPU_PREEMPT_ELF = 22
+ERT_CMD_STATE_NEW = 1
+ERT_CMD_STATE_COMPLETED = 4
+ERT_CMD_STATE_ERROR = 5
+ERT_CMD_STATE_ABORT = 6
+ERT_CMD_STATE_TIMEOUT = 8
+_FAILED_STATES = (ERT_CMD_STATE_ERROR, ERT_CMD_STATE_ABORT, ERT_CMD_STATE_TIMEOUT)
+
+AIE2_EXEC_BUFFER_KERNEL_OP_TXN = 3      # regmap opcode of a TXN stream (xrt-npu-sequence.md 2.2)
+MAX_CHAIN_CMDBUF_SIZE = 4096            # the command-list buffer (spec 6.5)
+CHAIN_SLOT_CF = 8                       # cmd_chain_slot_execbuf_cf: cu_idx, arg_cnt
+CHAIN_SLOT_NPU = 52                     # cmd_chain_slot_npu (packed): type, 3 addresses, 6 u32
+MAX_NPU_ARGS_WORDS = 26                 # properties + regmap of an NPU command-list slot (spec 6.3)
+START_NPU_PREAMBLE = 16                 # u64 instruction address, u32 size in bytes, u32 prop_count
+REGMAP_INSTR, REGMAP_NINSTR, REGMAP_SLOTS = 0x08, 0x10, 0x14   # mlir-aie regmap (xrt-npu-sequence.md 1.7)
+CHAIN_PREAMBLE = 24                     # command_count, submit_index, error_index, reserved[3]
+CHAIN_ERROR_INDEX = 4 + 8               # byte offset of error_index in a chain packet
+CTX_HEALTH_V1 = 1                       # struct amdxdna_ctx_health version
+NPU_GEN_AIE2 = 0                        # AMDXDNA_CMD_CTX_HEALTH_AIE2
+CTX_HEALTH_BYTES = 32                   # version, npu_gen + six u32 of aie2_ctx_health
+DESTROY_GRACE_S = 2.0                   # DESTROY_HWCTX waits this long for the last job (spec 4.2)
+# A running model must burn at least this share of the TDR period in CPU to count as progress.
+PROGRESS_SHARE = 0.05
+PROGRAM_CACHE = 1024                    # walked streams kept by digest
+
+
+class MalformedCommand(Exception):
+    """The driver rejects the packet when the job runs: the state stays NEW (spec 6.6)."""
+
+
+class FirmwareError(Exception):
+    """The firmware fails the command: state ERROR."""
+
+
+@dataclass(frozen=True)
+class Packet:
+    """A decoded ERT packet: header fields, CU masks and the payload after the masks."""
+
+    state: int
+    opcode: int
+    count: int
+    masks: tuple[int, ...]
+    payload: bytes
+
+
+def decode_header(word: int) -> tuple[int, int, int, int]:
+    """Header word -> (state 3:0, extra CU masks 11:10, count 22:12, opcode 27:23) (spec 6.1)."""
+    return word & 0xF, (word >> 10) & 0x3, (word >> 12) & 0x7FF, (word >> 23) & 0x1F
+
+
+def read_packet(mem: memoryview) -> Packet:
+    """Decode the packet of a command BO.
+
+    Raises:
+        MalformedCommand: count not above the mask words, or the packet does not fit the BO (spec 6.1).
+    """
+    if len(mem) < 4:
+        raise MalformedCommand(f"command BO of {len(mem)} bytes has no header")
+    header = struct.unpack_from("<I", mem)[0]
+    _, extra, count, opcode = decode_header(header)
+    n_masks = 0 if opcode == ERT_CMD_CHAIN else 1 + extra
+    if count <= n_masks or 4 * count + 4 > len(mem):
+        raise MalformedCommand(f"header {header:#010x}: count {count} must exceed {n_masks} mask words and "
+                               f"fit the {len(mem)}-byte BO")
+    words = struct.unpack_from(f"<{n_masks}I", mem, 4)
+    return Packet(header & 0xF, opcode, count, words, bytes(mem[4 + 4 * n_masks:4 + 4 * count]))
+
+
+def cu_index(masks: tuple[int, ...]) -> int:
+    """Lowest set bit of the first non-zero CU mask word (its index within that word, spec 6.1).
+
+    Raises:
+        MalformedCommand: no bit set.
+    """
+    for mask in masks:
+        if mask:
+            return (mask & -mask).bit_length() - 1
+    raise MalformedCommand("no CU bit set in the CU masks")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One kernel start that passed the driver checks."""
+
+    bo: Bo
+    opcode: int
+    cu: int
+    regmap: bytes
+    slot_bytes: int                      # its cost in the 4 KiB command list
+    instr: int | None = None             # START_NPU: from the preamble
+    instr_size: int | None = None
+
+
+@dataclass
+class Work:
+    """What firmware runs for one dispatch."""
+
+    digest: str
+    program: txn.TxnProgram
+    args: dict[int, np.ndarray]
+    model: Model | None
+
+
+@dataclass
+class _Outcome:
+    state: int
+    error_index: int | None = None
+    fill: Bo | None = None
+    txn_op_idx: int = 0xFFFFFFFF
+
+
+class _Task:
+    """A model run handed to an engine; `release` ends an injected hang."""
+
+    def __init__(self, model: Model | None, args: dict[int, np.ndarray], hang: bool):
+        self.model, self.args, self.hang = model, args, hang
+        self.release = threading.Event()
+        self.done = False
+        self.abandoned = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        if self.hang:
+            self.release.wait()
+        # An abandoned task (TDR or teardown) must not touch the buffers any more.
+        if not self.abandoned and self.model is not None:
+            self.model(self.args)
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self.release.set()
+
+
+class _Engine:
+    """A thread that runs model tasks; its CPU clock is the TDR's progress signal."""
+
+    def __init__(self, name: str, cond: threading.Condition):
+        self._cond = cond
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+        self._clock = time.pthread_getcpuclockid(self.thread.ident)
+
+    def cpu_time(self) -> float:
+        return time.clock_gettime(self._clock)
+
+    def run(self, task: _Task) -> None:
+        self._tasks.put(task)
+
+    def retire(self) -> None:
+        """Exit after the current task (an abandoned hang returns at once)."""
+        self._tasks.put(None)
+
+    def _loop(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task.run()
+            except BaseException as exc:  # reported by the worker as the command's failure
+                task.error = exc
+            with self._cond:
+                task.done = True
+                self._cond.notify_all()
+
+
+@dataclass(eq=False)
+class _Lane:
+    """The execution state of one hardware context."""
+
+    ctx: object
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    jobs: deque = field(default_factory=deque)
+    running: object = None
+    closing: bool = False
+    engine: _Engine | None = None
+    worker: threading.Thread | None = None
+
+
+class Firmware:
+    """The device worker of one EmuDevice (see module docstring).
+
+    `models` is the device's ModelRegistry; `hang`/`error` inject faults per stream.
+    """
+
+    def __init__(self, device, *, tdr_timeout: float = 2.0):
+        """Raises:
+        ValueError: a non-positive TDR timeout or a device profile without a TXN generation.
+        """
+        if not tdr_timeout > 0:
+            raise ValueError(f"tdr_timeout must be > 0 seconds, got {tdr_timeout!r}")
+        self.device = device
+        self.tdr_timeout = float(tdr_timeout)
+        self.models = ModelRegistry()
+        self.dev_gen = _txn_dev_gen(device)
+        self._lock = threading.Lock()
+        self._lanes: dict[int, _Lane] = {}
+        self._faults: dict[str, dict[str, int]] = {"hang": {}, "error": {}}
+        self._programs: dict[str, txn.TxnProgram] = {}     # digest -> walked stream (streams are immutable)
+        self._stopped = False
+
+    # -- fault injection -------------------------------------------------------------------------
+
+    def hang(self, stream: bytes | str, count: int = 1) -> None:
+        """The next `count` runs of the stream hang (the TDR ends them TIMEOUT).
+
+        Raises:
+            ValueError: count < 1 or a malformed digest.
+        """
+        self._inject("hang", stream, count)
+
+    def error(self, stream: bytes | str, count: int = 1) -> None:
+        """The next `count` runs of the stream fail with a firmware ERROR.
+
+        Raises:
+            ValueError: count < 1 or a malformed digest.
+        """
+        self._inject("error", stream, count)
+
+    def _inject(self, kind: str, stream: bytes | str, count: int) -> None:
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"{kind} count must be a positive int, got {count!r}")
+        digest = stream_digest(stream)
+        with self._lock:
+            self._faults[kind][digest] = self._faults[kind].get(digest, 0) + count
+
+    def _take_fault(self, digest: str) -> str | None:
+        with self._lock:
+            for kind, pending in self._faults.items():
+                if pending.get(digest, 0) > 0:
+                    pending[digest] -= 1
+                    if not pending[digest]:
+                        del pending[digest]
+                    return kind
+        return None
+
+    # -- driver-facing API -----------------------------------------------------------------------
+
+    def submit(self, job) -> None:
+        """Queue a validated job on its context's lane; never blocks on execution."""
+        with self._lock:
+            lane = self._lanes.get(id(job.ctx))
+            if lane is None and not self._stopped:
+                lane = self._start_lane(job.ctx)
+        if lane is None:
+            self._end_async(job)
+            return
+        with lane.cond:
+            if not lane.closing:
+                lane.jobs.append(job)
+                lane.cond.notify_all()
+                return
+        self._end_async(job)
+
+    def destroy_context(self, ctx) -> None:
+        """Wait up to 2 s for the context's last job, then end the rest ABORT; returns when none runs."""
+        with self._lock:
+            lane = self._lanes.pop(id(ctx), None)
+        if lane is not None:
+            self._close_lane(lane, DESTROY_GRACE_S)
+
+    def stop(self) -> None:
+        """End every lane at once (queued and running jobs ABORT) and stop the threads."""
+        with self._lock:
+            self._stopped = True
+            lanes = list(self._lanes.values())
+            self._lanes.clear()
+        for lane in lanes:
+            self._close_lane(lane, 0.0)
+
+    def _start_lane(self, ctx) -> _Lane:
+        lane = _Lane(ctx)
+        name = f"emu-ctx{getattr(ctx, 'handle', '?')}"
+        lane.engine = _Engine(f"{name}-engine", lane.cond)
+        lane.worker = threading.Thread(target=self._work_loop, args=(lane,), name=name, daemon=True)
+        self._lanes[id(ctx)] = lane
+        lane.worker.start()
+        return lane
+
+    def _close_lane(self, lane: _Lane, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        with lane.cond:
+            while (lane.jobs or lane.running is not None) and (left := deadline - time.monotonic()) > 0:
+                lane.cond.wait(left)
+            lane.closing = True
+            lane.cond.notify_all()
+        lane.worker.join()
+        lane.engine.retire()
+
+    def _end_async(self, job) -> None:
+        # A job for a context already torn down: ABORT, off the submitting thread (it may hold driver locks).
+        threading.Thread(target=self._end, args=(job, _Outcome(ERT_CMD_STATE_ABORT)), daemon=True).start()
+
+    # -- the worker ------------------------------------------------------------------------------
+
+    def _work_loop(self, lane: _Lane) -> None:
+        while (job := self._next_job(lane)) is not None:
+            try:
+                outcome = self._execute(lane, job)
+            except Exception:
+                # An emulator defect must not wedge the context: report it and answer as a bad response.
+                logger.exception("%s: internal firmware failure, command ends ABORT", _job_name(job))
+                outcome = _Outcome(ERT_CMD_STATE_ABORT)
+            aborted = self._restart(lane) if outcome.state == ERT_CMD_STATE_TIMEOUT else []
+            self._end(job, outcome)
+            for other in aborted:
+                self._end(other, _Outcome(ERT_CMD_STATE_ABORT))
+            with lane.cond:
+                lane.running = None
+                lane.cond.notify_all()
+
+    def _next_job(self, lane: _Lane):
+        with lane.cond:
+            while not lane.jobs and not lane.closing:
+                lane.cond.wait()
+            if not lane.closing:
+                lane.running = lane.jobs.popleft()
+                return lane.running
+            pending = list(lane.jobs)
+            lane.jobs.clear()
+        for job in pending:
+            self._end(job, _Outcome(ERT_CMD_STATE_ABORT))
+        return None
+
+    def _restart(self, lane: _Lane) -> list:
+        """After a TDR: a fresh engine, and the context's other in-flight jobs to ABORT (spec 6.7)."""
+        with lane.cond:
+            old, lane.engine = lane.engine, _Engine(lane.engine.thread.name, lane.cond)
+            aborted = list(lane.jobs)
+            lane.jobs.clear()
+        old.retire()
+        return aborted
+
+    def _execute(self, lane: _Lane, job) -> _Outcome:
+        _set_state(job.cmd_bo.mem, ERT_CMD_STATE_NEW)
+        try:
+            packet = read_packet(job.cmd_bo.mem)
+            dispatches = self._dispatches(job, packet)
+        except MalformedCommand as exc:
+            logger.warning("%s: malformed command, state left NEW: %s", _job_name(job), exc)
+            return _Outcome(ERT_CMD_STATE_NEW)
+        chain = packet.opcode == ERT_CMD_CHAIN
+        for index, dispatch in enumerate(dispatches):
+            state, op_idx = self._run_dispatch(lane, job, dispatch)
+            if state != ERT_CMD_STATE_COMPLETED:
+                return _Outcome(state, index if chain else None, dispatches[0].bo, op_idx)
+        return _Outcome(ERT_CMD_STATE_COMPLETED)
+
+    def _end(self, job, outcome: _Outcome) -> None:
+        """Write the outcome into the command BO(s) and complete the job (exactly once per job)."""
+        try:
+            if outcome.state in _FAILED_STATES:
+                self._report_failure(job, outcome)
+            _set_state(job.cmd_bo.mem, outcome.state)
+        finally:
+            job.complete()
+
+    def _report_failure(self, job, outcome: _Outcome) -> None:
+        target = outcome.fill if outcome.fill is not None else self._fill_target(job)
+        if target is None:
+            return
+        _fill_payload(target.mem)
+        if outcome.state == ERT_CMD_STATE_TIMEOUT:
+            _write_health(target.mem, outcome.txn_op_idx)
+        if outcome.error_index is not None:
+            struct.pack_into("<I", job.cmd_bo.mem, CHAIN_ERROR_INDEX, outcome.error_index)
+
+    def _fill_target(self, job) -> Bo | None:
+        """The BO whose payload a failure overwrites: a chain's first sub-command, else the command (spec 6.6)."""
+        try:
+            packet = read_packet(job.cmd_bo.mem)
+            if packet.opcode != ERT_CMD_CHAIN:
+                return job.cmd_bo
+            return self._cmd_bo(job, _chain_handles(packet)[0])
+        except MalformedCommand:
+            return None
+
+    # -- driver checks ---------------------------------------------------------------------------
+
+    def _dispatches(self, job, packet: Packet) -> list[Dispatch]:
+        if packet.opcode != ERT_CMD_CHAIN:
+            return [self._dispatch(job.ctx, job.cmd_bo, packet)]
+        dispatches: list[Dispatch] = []
+        for handle in _chain_handles(packet):
+            bo = self._cmd_bo(job, handle)
+            sub = read_packet(bo.mem)
+            if sub.opcode == ERT_CMD_CHAIN or (dispatches and sub.opcode != dispatches[0].opcode):
+                raise MalformedCommand(f"chain sub-command BO {handle} has opcode {sub.opcode}, the chain needs "
+                                       f"one kernel opcode ({dispatches[0].opcode if dispatches else 'any'})")
+            dispatches.append(self._dispatch(job.ctx, bo, sub))
+        used = sum(d.slot_bytes for d in dispatches)
+        if used > MAX_CHAIN_CMDBUF_SIZE:
+            raise MalformedCommand(f"chain of {len(dispatches)} sub-commands needs {used} bytes of command list, "
+                                   f"the buffer has {MAX_CHAIN_CMDBUF_SIZE}")
+        return dispatches
+
+    def _dispatch(self, ctx, bo: Bo, packet: Packet) -> Dispatch:
+        if packet.opcode == ERT_START_CU:
+            return self._start_cu(ctx, bo, packet)
+        if packet.opcode == ERT_START_NPU:
+            return self._start_npu(ctx, bo, packet)
+        if packet.opcode == ERT_START_DPU:
+            raise MalformedCommand("ERT_START_DPU is not accepted by AIE2 devices")
+        if packet.opcode in (ERT_START_NPU_PREEMPT, ERT_START_NPU_PREEMPT_ELF):
+            raise MalformedCommand(f"opcode {packet.opcode} (preemptible ELF flow) is not modelled by the emulator")
+        raise MalformedCommand(f"unsupported ERT opcode {packet.opcode}")
+
+    def _start_cu(self, ctx, bo: Bo, packet: Packet) -> Dispatch:
+        cu = _configured_cu(ctx, packet.masks)
+        slot = CHAIN_SLOT_CF + len(packet.payload)
+        if slot > MAX_CHAIN_CMDBUF_SIZE:
+            raise MalformedCommand(f"ERT_START_CU with {len(packet.payload) // 4} args does not fit the command list")
+        return Dispatch(bo, ERT_START_CU, cu, packet.payload, slot)
+
+    def _start_npu(self, ctx, bo: Bo, packet: Packet) -> Dispatch:
+        cu = _configured_cu(ctx, packet.masks)
+        payload = packet.payload
+        if len(payload) < START_NPU_PREAMBLE:
+            raise MalformedCommand(f"ERT_START_NPU payload of {len(payload)} bytes lacks its 16-byte preamble")
+        instr, size, prop_count = struct.unpack_from("<QII", payload)
+        args_words = (len(payload) - START_NPU_PREAMBLE) // 4
+        if prop_count > args_words or args_words > MAX_NPU_ARGS_WORDS:
+            raise MalformedCommand(f"ERT_START_NPU: {prop_count} properties in {args_words} argument words "
+                                   f"(at most {MAX_NPU_ARGS_WORDS})")
+        regmap = payload[START_NPU_PREAMBLE + 4 * prop_count:]
+        return Dispatch(bo, ERT_START_NPU, cu, regmap, CHAIN_SLOT_NPU + 4 * args_words, instr, size)
+
+    def _cmd_bo(self, job, handle: int) -> Bo:
+        bo = _lookup_bo(job, handle)
+        if bo is None or bo.kind != AMDXDNA_BO_CMD:
+            raise MalformedCommand(f"chain entry {handle} is not a command BO of this fd")
+        return bo
+
+    # -- firmware execution ----------------------------------------------------------------------
+
+    def _run_dispatch(self, lane: _Lane, job, dispatch: Dispatch) -> tuple[int, int]:
+        """Run one kernel start -> (state, txn_op_idx for the health record)."""
+        try:
+            work = self._prepare(job, dispatch)
+        except (FirmwareError, DeviceFault, txn.TxnError) as exc:
+            logger.error("%s: firmware error: %s", _job_name(job), exc)
+            return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
+        fault = self._take_fault(work.digest)
+        if fault == "error":
+            logger.error("%s: injected firmware error for stream %s", _job_name(job), work.digest)
+            return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
+        if work.model is None and fault is None:
+            logger.error("%s: no model bound to instruction stream sha256 %s", _job_name(job), work.digest)
+            return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
+        task = _Task(work.model, work.args, hang=fault == "hang")
+        verdict = self._await(lane, task)
+        if verdict == "hung":
+            logger.error("%s: TDR: stream %s made no progress for %.3g s", _job_name(job), work.digest,
+                         self.tdr_timeout)
+            return ERT_CMD_STATE_TIMEOUT, work.program.last_sync_index
+        if verdict == "closed":
+            return ERT_CMD_STATE_ABORT, 0xFFFFFFFF
+        return self._model_state(job, work, task.error), 0xFFFFFFFF
+
+    def _model_state(self, job, work: Work, error: BaseException | None) -> int:
+        if error is None:
+            return ERT_CMD_STATE_COMPLETED
+        if isinstance(error, DeviceFault):
+            logger.error("%s: device fault in %s: %s", _job_name(job), getattr(work.model, "name", "model"), error)
+        else:
+            logger.error("%s: model %s raised", _job_name(job), getattr(work.model, "name", "model"),
+                         exc_info=error)
+        return ERT_CMD_STATE_ERROR
+
+    def _prepare(self, job, dispatch: Dispatch) -> Work:
+        instr, nbytes, slots = _regmap(dispatch)
+        bo, offset = job.memory.resolve(instr, nbytes)
+        if bo.kind != AMDXDNA_BO_DEV:
+            raise FirmwareError(f"instruction stream at {instr:#x} is in a {bo.kind_name} BO, not in the heap window")
+        stream = bytes(bo.mem[offset:offset + nbytes])
+        digest = stream_digest(stream)
+        program = self._walk(digest, stream)
+        args = _patched_args(job.memory, program, slots)
+        return Work(digest, program, args, self.models.lookup(digest))
+
+    def _walk(self, digest: str, stream: bytes) -> txn.TxnProgram:
+        """Walk a stream once per digest (a walk depends only on the bytes and the device generation)."""
+        with self._lock:
+            program = self._programs.get(digest)
+        if program is None:
+            program = txn.walk(stream, self.dev_gen)
+            with self._lock:
+                if len(self._programs) >= PROGRAM_CACHE:
+                    self._programs.pop(next(iter(self._programs)))
+                self._programs[digest] = program
+        return program
+
+    def _await(self, lane: _Lane, task: _Task) -> str:
+        """Run a task on the lane's engine -> "done", "hung" (TDR) or "closed" (context torn down)."""
+        engine = lane.engine
+        engine.run(task)
+        with lane.cond:
+            last, deadline = engine.cpu_time(), time.monotonic() + self.tdr_timeout
+            while not task.done:
+                if lane.closing and not task.abandoned:
+                    task.abandon()
+                if (left := deadline - time.monotonic()) > 0:
+                    lane.cond.wait(left)
+                    continue
+                now = engine.cpu_time()
+                if now - last < self.tdr_timeout * PROGRESS_SHARE:
+                    task.abandon()
+                    return "closed" if lane.closing else "hung"
+                last, deadline = now, time.monotonic() + self.tdr_timeout
+            return "closed" if task.abandoned else "done"
+
+
+def _txn_dev_gen(device) -> int:
+    gen = getattr(device.profile, "txn_dev_gen", None)
+    if not isinstance(gen, int) or gen <= 0:
+        raise ValueError(f"profile {device.profile.name!r} has no TXN device generation")
+    return gen
+
+
+def _lookup_bo(job, handle: int) -> Bo | None:
+    return job.ctx.fd.bos.get(handle)
+
+
+def _job_name(job) -> str:
+    return f"hwctx {getattr(job.ctx, 'handle', '?')} seq {job.seq}"
+
+
+def _configured_cu(ctx, masks: tuple[int, ...]) -> int:
+    cu = cu_index(masks)
+    if cu >= len(ctx.cus):
+        raise MalformedCommand(f"CU {cu} is not configured on this context ({len(ctx.cus)} CUs)")
+    return cu
+
+
+def _chain_handles(packet: Packet) -> list[int]:
+    """The sub-command BO handles of a chain payload (low 32 bits of each u64, spec 6.5).
+
+    Raises:
+        MalformedCommand: no sub-commands, or fewer handles than command_count.
+    """
+    payload = packet.payload
+    if len(payload) < CHAIN_PREAMBLE:
+        raise MalformedCommand(f"chain payload of {len(payload)} bytes lacks its {CHAIN_PREAMBLE}-byte preamble")
+    count = struct.unpack_from("<I", payload)[0]
+    if count == 0 or len(payload) < CHAIN_PREAMBLE + 8 * count:
+        raise MalformedCommand(f"chain of {count} sub-commands in a {len(payload)}-byte payload")
+    return [h & 0xFFFFFFFF for h in struct.unpack_from(f"<{count}Q", payload, CHAIN_PREAMBLE)]
+
+
+def _regmap(dispatch: Dispatch) -> tuple[int, int, dict[int, int]]:
+    """(instruction address, stream bytes, buffer slots) of a dispatch.
+
+    Raises:
+        FirmwareError: a regmap too short for the TXN kernel, another kernel opcode, an empty stream.
+    """
+    regmap = dispatch.regmap
+    if dispatch.opcode == ERT_START_NPU:
+        instr, nbytes = dispatch.instr, dispatch.instr_size
+        if nbytes == 0 or nbytes % 4:
+            raise FirmwareError(f"ERT_START_NPU instruction size {nbytes} is not a positive multiple of 4")
+    elif len(regmap) < REGMAP_SLOTS:
+        raise FirmwareError(f"regmap of {len(regmap)} bytes lacks opcode, instr and ninstr ({REGMAP_SLOTS} bytes)")
+    else:
+        instr, ninstr = struct.unpack_from("<QI", regmap, REGMAP_INSTR)
+        nbytes = 4 * ninstr
+        if ninstr == 0:
+            raise FirmwareError("regmap ninstr is 0")
+    if len(regmap) >= 8 and (op := struct.unpack_from("<Q", regmap)[0]) != AIE2_EXEC_BUFFER_KERNEL_OP_TXN:
+        raise FirmwareError(f"regmap kernel opcode {op} is not {AIE2_EXEC_BUFFER_KERNEL_OP_TXN} (TXN)")
+    count = max(0, (len(regmap) - REGMAP_SLOTS) // 8)
+    slots = {k: struct.unpack_from("<Q", regmap, REGMAP_SLOTS + 8 * k)[0] for k in range(count)}
+    return instr, nbytes, slots
+
+
+def _patched_args(memory, program: txn.TxnProgram, slots: dict[int, int]) -> dict[int, np.ndarray]:
+    """arg_idx -> uint8 view of the union of its BD extents, each resolved to a BO (docs/design.md 2).
+
+    Raises:
+        FirmwareError: a patch names a slot beyond the regmap, or one argument's extents span BOs.
+        DeviceFault: an extent outside every BO.
+    """
+    extents: dict[int, tuple[int, int]] = {}
+    for patch in program.patches:
+        if patch.arg_idx not in slots:
+            raise FirmwareError(f"TXN op {patch.op_index}: DDR_PATCH arg_idx {patch.arg_idx} has no regmap slot "
+                                f"({len(slots)} slots)")
+        start = slots[patch.arg_idx] + patch.arg_plus
+        memory.resolve(start, patch.length)
+        lo, hi = extents.get(patch.arg_idx, (start, start + patch.length))
+        extents[patch.arg_idx] = (min(lo, start), max(hi, start + patch.length))
+    args = {}
+    for arg_idx, (lo, hi) in sorted(extents.items()):
+        try:
+            bo, offset = memory.resolve(lo, hi - lo)
+        except DeviceFault as exc:
+            raise FirmwareError(f"arg {arg_idx}: its BD extents [{lo:#x}, {hi:#x}) span more than one BO") from exc
+        args[arg_idx] = np.frombuffer(bo.mem, dtype=np.uint8, count=hi - lo, offset=offset)
+    return args
+
+
+def _set_state(mem: memoryview, state: int) -> None:
+    header = struct.unpack_from("<I", mem)[0]
+    struct.pack_into("<I", mem, 0, (header & ~0xF & 0xFFFFFFFF) | state)
+
+
+def _payload_bytes(mem: memoryview) -> int:
+    count = decode_header(struct.unpack_from("<I", mem)[0])[2]
+    return min(4 * count, len(mem) - 4)
+
+
+def _fill_payload(mem: memoryview) -> None:
+    """0xFF over everything after the header (spec 6.6, the 2026-02 "fill invalid payload" fix)."""
+    n = _payload_bytes(mem)
+    mem[4:4 + n] = b"\xff" * n
+
+
+def _write_health(mem: memoryview, txn_op_idx: int) -> None:
+    """The context-health record at the start of the payload (spec 6.6, xrt-npu-sequence.md 1.9)."""
+    if _payload_bytes(mem) >= CTX_HEALTH_BYTES:
+        # version, npu_gen, txn_op_idx, ctx_pc, fatal_error_{type, exception_type, exception_pc, app_module}
+        struct.pack_into("<8I", mem, 4, CTX_HEALTH_V1, NPU_GEN_AIE2, txn_op_idx, 0, 0, 0, 0, 0)

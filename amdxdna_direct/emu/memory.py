@@ -1,0 +1,176 @@
+"""Buffer-object backing store and device-address resolution of one emulated fd.
+
+Every BO is backed by real shared pages (a ``memfd``): the kernel side holds a writable ``mmap`` view
+(``Bo.mem``), and the user maps the same file through the seam's ``mmap`` path, so host and "device"
+see the same bytes. DEV BOs are sub-ranges of the fd's DEV_HEAP and share its pages (spec 7).
+
+Device addresses resolve as the NPU sees them (spec 7): the heap window ``[0x4000000, 0x4000000 +
+heap size)`` for DEV BOs, and for SHMEM BOs the process virtual address of a live user mapping (IOMMU
+SVA, <= 7.0). Anything else is a ``DeviceFault``, which fails the command like a bad DMA would.
+"""
+
+from __future__ import annotations
+
+import mmap as _mmap
+import os
+import threading
+from dataclasses import dataclass, field
+
+AMDXDNA_BO_SHMEM, AMDXDNA_BO_DEV_HEAP, AMDXDNA_BO_DEV, AMDXDNA_BO_CMD = 1, 2, 3, 4
+BO_KIND_NAMES = {AMDXDNA_BO_SHMEM: "SHMEM", AMDXDNA_BO_DEV_HEAP: "DEV_HEAP", AMDXDNA_BO_DEV: "DEV",
+                 AMDXDNA_BO_CMD: "CMD"}
+AMDXDNA_INVALID_ADDR = (1 << 64) - 1
+AIE2_DEVM_BASE = 0x4000000          # device address of the heap (spec 4.4 DEV_HEAP)
+PAGE_SIZE = 4096
+DEV_BO_ALIGN = 32 << 10             # DEV BOs start 32 KiB aligned (spec 4.4 DEV, 7)
+
+
+def page_align(size: int) -> int:
+    """Round up to a whole page, as shmem GEM objects are."""
+    return (size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
+
+
+class DeviceFault(Exception):
+    """A device access outside every BO (the command fails with ERROR, as a bad DMA would)."""
+
+
+@dataclass(eq=False)
+class Bo:
+    """The driver-side buffer object.
+
+    ``refs`` counts the GEM handle, every job that references the BO, and (for the heap) every DEV BO
+    and hardware context carved out of it: the backing is released when it drops to zero (spec 7,
+    "Lifetime").
+    """
+
+    handle: int
+    kind: int
+    size: int
+    mem: memoryview
+    xdna_addr: int = AMDXDNA_INVALID_ADDR
+    vaddr: int = AMDXDNA_INVALID_ADDR
+    map_offset: int = AMDXDNA_INVALID_ADDR
+    memfd: int = -1
+    heap: Bo | None = None           # DEV BOs: the heap they live in
+    heap_offset: int = 0
+    internal: bool = False           # driver-owned (context command-list buffers)
+    refs: int = 1
+    released: bool = False
+    dbg_ctx: object = None           # the context this BO is the debug buffer of (ASSIGN_DBG_BUF)
+    fd_memory: Memory | None = None  # DEV BOs: the Memory whose heap they live in
+    _backing: object = field(default=None, repr=False)
+
+    @property
+    def kind_name(self) -> str:
+        """The uAPI name of the BO type."""
+        return BO_KIND_NAMES[self.kind]
+
+
+def new_backing(size: int, name: str) -> tuple[int, object, memoryview]:
+    """A memfd of `size` bytes and the kernel's writable view of it: (memfd, mmap object, memoryview)."""
+    memfd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(memfd, size)
+    mapping = _mmap.mmap(memfd, size, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    return memfd, mapping, memoryview(mapping)
+
+
+def release_backing(bo: Bo) -> None:
+    """Drop the kernel's view and memfd of a standalone BO.
+
+    The mmap object itself is left to the garbage collector: a model may still hold a numpy view of
+    the pages (the pages live as long as any mapping does, as in the kernel).
+    """
+    bo.released = True
+    if bo.memfd >= 0:
+        os.close(bo.memfd)
+        bo.memfd = -1
+    bo._backing = None
+
+
+class HeapAllocator:
+    """First-fit placement in the DEV_HEAP (drm_mm in the driver), 32 KiB-aligned starts (spec 4.4)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.ranges: dict[int, int] = {}     # offset -> size
+
+    def alloc(self, size: int, align: int = DEV_BO_ALIGN) -> int | None:
+        """Offset of a free, aligned range of `size` bytes, or None when the heap has no room."""
+        cursor = 0
+        for start in sorted(self.ranges):
+            if start - cursor >= size:
+                break
+            cursor = (start + self.ranges[start] + align - 1) // align * align
+        if cursor + size > self.size:
+            return None
+        self.ranges[cursor] = size
+        return cursor
+
+    def free(self, offset: int) -> None:
+        """Return a range to the heap."""
+        del self.ranges[offset]
+
+    @property
+    def used(self) -> int:
+        """Bytes of the heap in use."""
+        return sum(self.ranges.values())
+
+
+class Memory:
+    """The BO address spaces of one fd: its heap, DEV placements and live user mappings."""
+
+    def __init__(self, lock: threading.RLock):
+        self._lock = lock
+        self.heap: Bo | None = None
+        self.allocator: HeapAllocator | None = None
+        self.dev_bos: dict[int, Bo] = {}                  # heap offset -> DEV BO
+        self.mappings: dict[int, tuple[int, Bo, int]] = {}    # user VA -> (length, BO, offset in BO)
+
+    def add_mapping(self, addr: int, length: int, bo: Bo) -> None:
+        """Record a live user mapping of `bo` (the VA the device uses for SHMEM BOs under SVA)."""
+        with self._lock:
+            self.mappings[addr] = (length, bo, 0)
+
+    def remove_range(self, addr: int, length: int) -> list[tuple[int, int, Bo]]:
+        """Forget mappings overlapping [addr, addr+length).
+
+        Returns one (addr, length, bo) per mapping entry dropped; each held one BO reference, which the
+        caller drops. Pieces left on either side become new entries and take a reference each.
+        """
+        removed = []
+        with self._lock:
+            for start, (size, bo, bo_offset) in list(self.mappings.items()):
+                lo, hi = max(start, addr), min(start + size, addr + length)
+                if lo >= hi:
+                    continue
+                del self.mappings[start]
+                removed.append((lo, hi - lo, bo))
+                if start < lo:
+                    self.mappings[start] = (lo - start, bo, bo_offset)
+                    bo.refs += 1
+                if hi < start + size:
+                    self.mappings[hi] = (start + size - hi, bo, bo_offset + hi - start)
+                    bo.refs += 1
+        return removed
+
+    def resolve(self, addr: int, length: int) -> tuple[Bo, int]:
+        """Find the BO a device access [addr, addr+length) lands in: (bo, offset in bo).
+
+        Raises:
+            DeviceFault: the range is not inside one BO (heap window or a live SHMEM mapping).
+        """
+        with self._lock:
+            heap = self.heap
+            if heap is not None and AIE2_DEVM_BASE <= addr and addr + length <= AIE2_DEVM_BASE + heap.size:
+                return self._resolve_heap(addr - AIE2_DEVM_BASE, length)
+            for start, (size, bo, bo_offset) in self.mappings.items():
+                if start <= addr and addr + length <= start + size:
+                    return bo, bo_offset + addr - start
+        raise DeviceFault(f"device access [{addr:#x}, {addr + length:#x}) is outside every BO")
+
+    def _resolve_heap(self, offset: int, length: int) -> tuple[Bo, int]:
+        for start, bo in self.dev_bos.items():
+            if start <= offset and offset + length <= start + bo.size:
+                return bo, offset - start
+        return self.heap, offset
+

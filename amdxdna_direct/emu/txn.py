@@ -1,0 +1,241 @@
+"""A firmware-side walker over TXN instruction streams (the aie-rt transaction format of insts.bin).
+
+Format (spec/xrt-npu-sequence.md 2.3, checked against the fixture streams word by word): a 4-word
+header `numRows<<24 | devGen<<16 | minor<<8 | major`, `numMemTileRows<<8 | numCols`, op count, total
+bytes; then the ops, each self-describing its length:
+
+    WRITE32     [0x00, 0, addr, 0, value, 24]
+    BLOCKWRITE  [0x01, 0, addr, bytes, data...]           (bytes counts the 4 header words)
+    MASKWRITE   [0x03, 0, addr, 0, value, mask, 28]
+    MASKPOLL    [0x04, 0, addr, 0, value, mask, 28]
+    custom      [0x80.., bytes, ...]                      (TCT sync 0x80, DDR_PATCH 0x81, 0x82-0x84)
+    DDR_PATCH   [0x81, 48, 0, 0, 0, 0, reg_addr, 0, arg_idx, 0, arg_plus, 0]
+    SYNC (TCT)  [0x80, 16, dir | row<<8 | col<<16, rownum<<8 | colnum<<16 | chan<<24]
+
+Register addresses are partition-relative tile addresses `col<<25 | row<<20 | offset`. A shim
+buffer descriptor i lives at 0x1D000 + 0x20*i with word 0 its length in 32-bit words; a
+DDR_PATCH targets word 1 (the address, +4) of a BD (docs/design.md section 2).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+OP_WRITE32 = 0x00
+OP_BLOCKWRITE = 0x01
+OP_MASKWRITE = 0x03
+OP_MASKPOLL = 0x04
+OP_TCT = 0x80
+OP_DDR_PATCH = 0x81
+OP_CUSTOM_LAST = 0x84
+
+HEADER_WORDS = 4
+TXN_MAJOR, TXN_MINOR = 0, 1
+AIE_ROWS = 6
+SHIM_BD_BASE = 0x1D000
+SHIM_BD_STRIDE = 0x20
+SHIM_BD_COUNT = 16
+# Shim DMA task queues (AIE-ML register map): S2MM 0/1 at 0x1D204/0x1D20C, MM2S 0/1 at 0x1D214/0x1D21C.
+TASK_QUEUES = {0x1D204: ("s2mm", 0), 0x1D20C: ("s2mm", 1), 0x1D214: ("mm2s", 0), 0x1D21C: ("mm2s", 1)}
+
+_FIXED_WORDS = {OP_WRITE32: 6, OP_MASKWRITE: 7, OP_MASKPOLL: 7}
+_TILE_OFFSET_MASK = (1 << 20) - 1
+
+
+class TxnError(ValueError):
+    """A malformed stream; `op_index` is the op being decoded (-1 for the header)."""
+
+    def __init__(self, message: str, op_index: int = -1):
+        super().__init__(message if op_index < 0 else f"op {op_index}: {message}")
+        self.op_index = op_index
+
+
+@dataclass(frozen=True)
+class TxnHeader:
+    """The 4-word stream header."""
+
+    major: int
+    minor: int
+    dev_gen: int
+    num_rows: int
+    num_cols: int
+    num_mem_tile_rows: int
+    num_ops: int
+    size: int
+
+
+@dataclass(frozen=True)
+class DdrPatch:
+    """A DDR_PATCH: BD address register `reg_addr` <- regmap slot `arg_idx` + `arg_plus`, over `length` bytes."""
+
+    op_index: int
+    reg_addr: int
+    arg_idx: int
+    arg_plus: int
+    length: int
+
+
+@dataclass(frozen=True)
+class QueuePush:
+    """A write to a shim DMA task queue: starts BD `bd` on a channel, `repeat` + 1 times."""
+
+    op_index: int
+    col: int
+    direction: str
+    channel: int
+    bd: int
+    repeat: int
+
+
+@dataclass(frozen=True)
+class Sync:
+    """A TCT sync: firmware waits for the DMA completions of a channel."""
+
+    op_index: int
+    direction: int
+    row: int
+    col: int
+    channel: int
+
+
+@dataclass
+class TxnProgram:
+    """A walked stream: its header and what firmware acts on, in op order."""
+
+    header: TxnHeader
+    registers: dict[int, int] = field(default_factory=dict)   # last value written to each register
+    patches: list[DdrPatch] = field(default_factory=list)
+    pushes: list[QueuePush] = field(default_factory=list)
+    syncs: list[Sync] = field(default_factory=list)
+
+    @property
+    def last_sync_index(self) -> int:
+        """Op index of the final sync (where firmware waits for the data), 0xFFFFFFFF when none."""
+        return self.syncs[-1].op_index if self.syncs else 0xFFFFFFFF
+
+
+def parse_header(data: bytes | memoryview) -> TxnHeader:
+    """Decode the 4-word header.
+
+    Raises:
+        TxnError: shorter than a header.
+    """
+    if len(data) < HEADER_WORDS * 4:
+        raise TxnError(f"stream of {len(data)} bytes is shorter than the {HEADER_WORDS * 4}-byte TXN header")
+    w0, w1, num_ops, size = struct.unpack_from("<4I", data)
+    return TxnHeader(major=w0 & 0xFF, minor=(w0 >> 8) & 0xFF, dev_gen=(w0 >> 16) & 0xFF, num_rows=w0 >> 24,
+                     num_cols=w1 & 0xFF, num_mem_tile_rows=(w1 >> 8) & 0xFF, num_ops=num_ops, size=size)
+
+
+def walk(data: bytes | memoryview, dev_gen: int) -> TxnProgram:
+    """Walk a stream as firmware does: header checks, then every op in order.
+
+    Raises:
+        TxnError: another device generation or TXN version, a size that does not match the
+            stream, an unknown or truncated op, an address outside the partition, a DDR_PATCH
+            of something other than a shim BD address or of a BD whose length was never written.
+    """
+    header = _checked_header(data, dev_gen)
+    words = memoryview(bytes(data[:header.size])).cast("I")
+    program = TxnProgram(header)
+    pos = HEADER_WORDS
+    for index in range(header.num_ops):
+        if pos >= len(words):
+            raise TxnError(f"stream ends after {index} of {header.num_ops} ops", index)
+        length = _op_words(words, pos, index)
+        _apply(program, words[pos:pos + length], index)
+        pos += length
+    if pos != len(words):
+        raise TxnError(f"{(len(words) - pos) * 4} bytes follow the last of {header.num_ops} ops")
+    return program
+
+
+def _checked_header(data: bytes | memoryview, dev_gen: int) -> TxnHeader:
+    header = parse_header(data)
+    if header.dev_gen != dev_gen:
+        raise TxnError(f"TXN stream is for device generation {header.dev_gen}, this device is generation {dev_gen}")
+    if (header.major, header.minor) != (TXN_MAJOR, TXN_MINOR):
+        raise TxnError(f"TXN version {header.major}.{header.minor} is not {TXN_MAJOR}.{TXN_MINOR}")
+    if header.num_rows != AIE_ROWS or header.num_cols == 0:
+        raise TxnError(f"TXN header geometry rows={header.num_rows} cols={header.num_cols} is not an AIE2 partition")
+    if header.size % 4 or header.size < HEADER_WORDS * 4 or header.size > len(data):
+        raise TxnError(f"TXN header size {header.size} does not fit the {len(data)}-byte stream")
+    return header
+
+
+def _op_words(words: memoryview, pos: int, index: int) -> int:
+    """Length in words of the op at `pos`."""
+    opcode = words[pos] & 0xFF
+    if opcode in _FIXED_WORDS:
+        length = _FIXED_WORDS[opcode]
+        size_pos = pos + length - 1
+    elif opcode == OP_BLOCKWRITE:
+        size_pos = pos + 3
+    elif OP_TCT <= opcode <= OP_CUSTOM_LAST:
+        size_pos = pos + 1
+    else:
+        raise TxnError(f"unknown TXN opcode {opcode:#x}", index)
+    if size_pos >= len(words):
+        raise TxnError(f"opcode {opcode:#x} is truncated", index)
+    size = words[size_pos]
+    if opcode in _FIXED_WORDS and size != _FIXED_WORDS[opcode] * 4:
+        raise TxnError(f"opcode {opcode:#x} declares {size} bytes, its encoding has {_FIXED_WORDS[opcode] * 4}",
+                       index)
+    if size % 4 or size < (size_pos - pos + 1) * 4 or pos + size // 4 > len(words):
+        raise TxnError(f"opcode {opcode:#x} declares a bad size of {size} bytes", index)
+    return size // 4
+
+
+def _apply(program: TxnProgram, op: memoryview, index: int) -> None:
+    opcode = op[0] & 0xFF
+    if opcode == OP_WRITE32:
+        _write(program, op[2], op[4], index)
+    elif opcode == OP_MASKWRITE:
+        old = program.registers.get(op[2], 0)
+        _write(program, op[2], (old & ~op[5]) | (op[4] & op[5]), index)
+    elif opcode == OP_BLOCKWRITE:
+        for i, value in enumerate(op[4:]):
+            _write(program, op[2] + 4 * i, value, index)
+    elif opcode == OP_DDR_PATCH:
+        program.patches.append(_patch(program, op, index))
+    elif opcode == OP_TCT:
+        program.syncs.append(_sync(op, index))
+
+
+def _check_addr(program: TxnProgram, addr: int, index: int) -> None:
+    col, row = addr >> 25, (addr >> 20) & 0x1F
+    if col >= program.header.num_cols or row >= program.header.num_rows:
+        raise TxnError(f"register {addr:#x} (col {col}, row {row}) is outside the "
+                       f"{program.header.num_cols}-column partition", index)
+
+
+def _write(program: TxnProgram, addr: int, value: int, index: int) -> None:
+    _check_addr(program, addr, index)
+    program.registers[addr] = value & 0xFFFFFFFF
+    queue = TASK_QUEUES.get(addr & _TILE_OFFSET_MASK) if (addr >> 20) & 0x1F == 0 else None
+    if queue is not None:
+        program.pushes.append(QueuePush(index, addr >> 25, queue[0], queue[1], value & 0xF, (value >> 16) & 0xFF))
+
+
+def _patch(program: TxnProgram, op: memoryview, index: int) -> DdrPatch:
+    if len(op) != 12:
+        raise TxnError(f"DDR_PATCH has {len(op)} words, the encoding has 12", index)
+    reg_addr, arg_idx, arg_plus = op[6] | (op[7] << 32), op[8] | (op[9] << 32), op[10] | (op[11] << 32)
+    _check_addr(program, reg_addr, index)
+    offset = reg_addr & _TILE_OFFSET_MASK
+    bd, word = divmod(offset - SHIM_BD_BASE, SHIM_BD_STRIDE)
+    if (reg_addr >> 20) & 0x1F or not 0 <= bd < SHIM_BD_COUNT or word != 4:
+        raise TxnError(f"DDR_PATCH register {reg_addr:#x} is not a shim BD address word", index)
+    length_words = program.registers.get(reg_addr - 4)
+    if length_words is None:
+        raise TxnError(f"DDR_PATCH of shim BD {bd} before its length was written", index)
+    return DdrPatch(index, reg_addr, arg_idx, arg_plus, length_words * 4)
+
+
+def _sync(op: memoryview, index: int) -> Sync:
+    if len(op) != 4:
+        raise TxnError(f"TCT sync has {len(op)} words, the encoding has 4", index)
+    where, what = op[2], op[3]
+    return Sync(index, direction=where & 0xFF, row=(where >> 8) & 0xFF, col=(where >> 16) & 0xFF,
+                channel=(what >> 24) & 0xFF)

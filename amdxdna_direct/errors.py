@@ -1,0 +1,138 @@
+"""The runtime's exception hierarchy and the one errno -> class table.
+
+Every error is an ``OSError`` (``XdnaError``) that keeps ``errno``; its message names the
+operation, the key fields and the errno name, e.g.
+``CREATE_HWCTX(num_tiles=16, max_opc=2048): ENODEV (No such device)``.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "XdnaError",
+    "NoDeviceError",
+    "PermissionDeniedError",
+    "ContextUnavailableError",
+    "CommandError",
+    "CommandTimeout",
+    "DeviceLostError",
+    "errno_text",
+    "format_call",
+    "ioctl_error",
+]
+
+
+class XdnaError(OSError):
+    """Root of every runtime error; an ``OSError`` whose ``errno`` is the driver's answer.
+
+    ``str()`` is the full message (operation, fields, errno name), not OSError's ``[Errno n]`` form.
+    """
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(err, message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # keep pickling (multiprocessing, pytest-xdist) working with our __init__
+        return (type(self), (self.errno, self.message))
+
+
+class NoDeviceError(XdnaError):
+    """No amdxdna device node was found or the named one does not exist."""
+
+
+class PermissionDeniedError(XdnaError):
+    """The device node exists but this process may not open or use it."""
+
+
+class ContextUnavailableError(XdnaError):
+    """CREATE_HWCTX refused: no free columns, firmware context limit or handle exhaustion."""
+
+
+class CommandError(XdnaError):
+    """A submitted command ended in a state other than COMPLETED.
+
+    Attributes: ``kernel`` (name), ``state`` (ERT state name), ``seq`` (submission number),
+    ``index`` (position in a run list, or None) and ``health`` (decoded context health record or None).
+    """
+
+    def __init__(self, err: int, message: str, *, kernel: str | None = None, state: str | None = None,
+                 seq: int | None = None, index: int | None = None, health: Any = None) -> None:
+        super().__init__(err, message)
+        self.kernel = kernel
+        self.state = state
+        self.seq = seq
+        self.index = index
+        self.health = health
+
+    def __reduce__(self):
+        return (_rebuild_command_error, (type(self), self.errno, self.message,
+                                         (self.kernel, self.state, self.seq, self.index, self.health)))
+
+
+def _rebuild_command_error(cls, err, message, fields):
+    kernel, state, seq, index, health = fields
+    return cls(err, message, kernel=kernel, state=state, seq=seq, index=index, health=health)
+
+
+class CommandTimeout(CommandError, TimeoutError):
+    """The command did not finish: the driver's TDR marked it TIMEOUT, or the host wait expired (ETIME)."""
+
+
+class DeviceLostError(XdnaError):
+    """The device answered ENODEV (removed, reset or wedged). Latched: every later call raises it."""
+
+
+# One table: (ioctl name or None for any, errno) -> class. Spec amdxdna-uapi.md 4.1 steps 8-9 for
+# CREATE_HWCTX (ENODEV no partition, EINVAL firmware refusal at the context limit, EBUSY handle
+# exhaustion); 4.0 for ENODEV after unplug and EACCES for root-only requests.
+_ERRNO_CLASSES: dict[tuple[str | None, int], type[XdnaError]] = {
+    ("CREATE_HWCTX", errno_mod.ENODEV): ContextUnavailableError,
+    ("CREATE_HWCTX", errno_mod.EINVAL): ContextUnavailableError,
+    ("CREATE_HWCTX", errno_mod.EBUSY): ContextUnavailableError,
+    ("CREATE_HWCTX", errno_mod.ENOSPC): ContextUnavailableError,
+    ("open", errno_mod.ENOENT): NoDeviceError,
+    ("open", errno_mod.ENXIO): NoDeviceError,
+    (None, errno_mod.ENODEV): DeviceLostError,
+    (None, errno_mod.EACCES): PermissionDeniedError,
+    (None, errno_mod.EPERM): PermissionDeniedError,
+}
+
+
+def errno_text(err: int) -> str:
+    """``"ENODEV (No such device)"`` for an errno value."""
+    return f"{errno_mod.errorcode.get(err, f'errno {err}')} ({os.strerror(err)})"
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0xFFFF:
+        return hex(value)
+    return str(value)
+
+
+def format_call(name: str, fields: Mapping[str, Any] | None = None) -> str:
+    """``"NAME(a=1, b=0x4000000)"``: an operation with its key fields, as used in every message."""
+    inner = ", ".join(f"{k}={_format_value(v)}" for k, v in (fields or {}).items())
+    return f"{name}({inner})"
+
+
+def error_class(name: str | None, err: int) -> type[XdnaError]:
+    """The exception class for ``err`` answered by operation ``name`` (the one table above)."""
+    return _ERRNO_CLASSES.get((name, err)) or _ERRNO_CLASSES.get((None, err)) or XdnaError
+
+
+def ioctl_error(name: str, fields: Mapping[str, Any] | None, err: int, hint: str = "") -> XdnaError:
+    """Build the typed error for operation ``name`` that failed with ``err``.
+
+    The message is ``NAME(fields): ENAME (strerror)`` followed by ``hint`` (what to do) when given.
+    """
+    message = f"{format_call(name, fields)}: {errno_text(err)}"
+    if hint:
+        message = f"{message}; {hint}"
+    return error_class(name, err)(err, message)

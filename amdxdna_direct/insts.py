@@ -1,0 +1,570 @@
+"""NPU instruction streams: the aie-rt transaction ("TXN") format that mlir-aie writes as ``insts.bin``.
+
+Pure functions over bytes and word lists; the only I/O is reading a file handed to :func:`load`.
+Format facts: ``spec/xrt-npu-sequence.md`` section 2.3 and aie-rt ``driver/src/global/xaie_txn.h``
+(``XAie_TxnHeader``, the v0.1 structs ``XAie_Write32Hdr``/``XAie_MaskWrite32Hdr``/``XAie_BlockWrite32Hdr``/
+``XAie_CustomOpHdr`` + ``patch_op_t``, and the v1.0 "optimized" structs ``XAie_*Hdr_opt`` + ``patch_op_opt_t``
+that 2024 mlir-aie builds emitted with header major 1, minor 0).
+
+Decoding is strict: every reserved word must be zero and every size field must match, so that
+``encode(decode(b)) == b`` holds for everything :func:`decode` accepts.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "VERSION_2024", "VERSION_CURRENT", "BlockWrite", "DdrPatch", "InstsError", "MaskWrite", "Op", "Stream", "Sync",
+    "Write32", "decode", "dma_stream", "encode", "encode_words", "layout", "load",
+]
+
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+# (major, minor) of the two encodings aie-rt defines (xaie_txn.h; spec 2.3).
+VERSION_CURRENT = (0, 1)
+VERSION_2024 = (1, 0)
+
+# XAie_TxnOpcode values (xaie_txn.h): XAIE_IO_WRITE, XAIE_IO_BLOCKWRITE, XAIE_IO_MASKWRITE,
+# XAIE_IO_CUSTOM_OP_TCT, XAIE_IO_CUSTOM_OP_DDR_PATCH.
+OP_WRITE32 = 0x00
+OP_BLOCKWRITE = 0x01
+OP_MASKWRITE = 0x03
+OP_SYNC = 0x80
+OP_DDR_PATCH = 0x81
+
+HEADER_WORDS = 4
+
+# Fixed op lengths in 32-bit words per version (v0.1: spec 2.3; v1.0: the *_opt structs).
+_WRITE32_WORDS = {VERSION_CURRENT: 6, VERSION_2024: 3}
+_MASKWRITE_WORDS = {VERSION_CURRENT: 7, VERSION_2024: 4}
+_BLOCKWRITE_HEADER_WORDS = {VERSION_CURRENT: 4, VERSION_2024: 3}
+_DDR_PATCH_WORDS = {VERSION_CURRENT: 12, VERSION_2024: 6}
+_SYNC_WORDS = 4
+
+# Shim tile registers used by dma_stream, mirrored from the mlir-aie fixtures (spec 2.3 worked example):
+# shim DMA buffer descriptor i at 0x1D000 + 0x20*i (8 words, word 0 = length in words, word 1 = address low),
+# channel control / start-queue registers S2MM0 0x1D200/0x1D204, S2MM1 0x1D208/0x1D20C,
+# MM2S0 0x1D210/0x1D214, MM2S1 0x1D218/0x1D21C.
+SHIM_BD_BASE = 0x1D000
+SHIM_BD_STRIDE = 0x20
+SHIM_BD_COUNT = 16
+SHIM_CHANNELS = 2
+_CTRL_BASE = {"out": 0x1D200, "in": 0x1D210}
+_QUEUE_TOKEN = 0x8000_0000
+# The fixtures program the channel controller id before a token-issuing push: MASKWRITE 0xF00 / 0x1F00.
+_CTRL_VALUE = 0xF00
+_CTRL_MASK = 0x1F00
+# BD words 4..7 as both fixtures write them: burst length in word 4 bits 31:30 (NPU1 fixture 2, NPU2 fixture 3),
+# AXI cache 0x2 in word 5 bits 27:24, valid-BD bit 25 in word 7.
+_BD_BURST = {3: 0x8000_0000, 4: 0xC000_0000}
+_BD_AXCACHE = 0x0200_0000
+_BD_VALID = 0x0200_0000
+# Tile address = col << 25 | row << 20 | offset (spec 2.3); row 2 is the first core tile.
+COL_SHIFT = 25
+ROW_SHIFT = 20
+CORE_ROW = 2
+# Header geometry mlir-aie writes for npu1/npu2 single-column designs: 6 rows, 1 memory-tile row.
+_NUM_ROWS = 6
+_MEM_TILE_ROWS = 1
+# aie-rt XAie_DmaDirection: DMA_S2MM = 0, DMA_MM2S = 1.
+DIRECTION_S2MM = 0
+DIRECTION_MM2S = 1
+
+
+class InstsError(ValueError):
+    """A malformed instruction stream; the message names the word index."""
+
+
+@dataclass(frozen=True)
+class Write32:
+    """XAIE_IO_WRITE: store ``value`` at tile address ``addr``."""
+
+    addr: int
+    value: int
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """XAIE_IO_BLOCKWRITE: store ``words`` at consecutive addresses from ``addr``."""
+
+    addr: int
+    words: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "words", tuple(self.words))
+
+
+@dataclass(frozen=True)
+class MaskWrite:
+    """XAIE_IO_MASKWRITE: ``*addr = (*addr & ~mask) | (value & mask)``."""
+
+    addr: int
+    value: int
+    mask: int
+
+
+@dataclass(frozen=True)
+class Sync:
+    """XAIE_IO_CUSTOM_OP_TCT: wait for task-completion tokens of a DMA channel."""
+
+    direction: int
+    row: int
+    col: int
+    channel: int
+    row_num: int
+    col_num: int
+
+
+@dataclass(frozen=True)
+class DdrPatch:
+    """XAIE_IO_CUSTOM_OP_DDR_PATCH: write the address of buffer ``arg_idx`` + ``arg_plus`` to ``reg_addr``."""
+
+    reg_addr: int
+    arg_idx: int
+    arg_plus: int
+
+
+Op = Write32 | BlockWrite | MaskWrite | Sync | DdrPatch
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A decoded TXN stream: the header fields and the ops in order.
+
+    ``num_ops`` and ``size_bytes`` are derived from ``ops`` (the header copies are checked on decode).
+    """
+
+    major: int
+    minor: int
+    dev_gen: int
+    rows: int
+    cols: int
+    mem_tile_rows: int
+    ops: tuple[Op, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """``(major, minor)``."""
+        return (self.major, self.minor)
+
+    @property
+    def num_ops(self) -> int:
+        """Number of ops (header word 2)."""
+        return len(self.ops)
+
+    @property
+    def size_bytes(self) -> int:
+        """Total encoded size in bytes (header word 3).
+
+        Raises:
+            InstsError: the version is not one aie-rt defines.
+        """
+        return 4 * (HEADER_WORDS + sum(_op_length(op, self.version) for op in self.ops))
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load(data: bytes | str | os.PathLike) -> Stream:
+    """Load an instruction stream from bytes or a file, ``.bin`` (LE u32 words) or ``.txt`` (hex word per line).
+
+    The format is detected from the content (spec 2.3): a binary TXN stream starts with the byte of the
+    major version (0 or 1), which is never an ASCII hex digit or whitespace.
+
+    Raises:
+        InstsError: the content is neither format, or the stream is malformed.
+        OSError: the file cannot be read.
+    """
+    raw = _read(data)
+    if _looks_like_text(raw):
+        return decode(_text_words(raw))
+    return decode(raw)
+
+
+def _read(data: bytes | str | os.PathLike) -> bytes:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, (str, os.PathLike)):
+        with open(data, "rb") as f:
+            return f.read()
+    raise TypeError(f"load: expected bytes or a path, got {type(data).__name__}")
+
+
+_TEXT_BYTES = frozenset(b"0123456789abcdefABCDEFxX \t\r\n")
+
+
+def _looks_like_text(raw: bytes) -> bool:
+    return bool(raw.strip()) and all(b in _TEXT_BYTES for b in raw)
+
+
+def _text_words(raw: bytes) -> list[int]:
+    """Parse one hex word per line (mlir-aie prints ``%08X``); blank lines are ignored."""
+    words = []
+    for line_no, line in enumerate(raw.decode("ascii").splitlines(), start=1):
+        text = line.strip()
+        if not text:
+            continue
+        digits = text[2:] if text[:2] in ("0x", "0X") else text
+        if not 1 <= len(digits) <= 8 or any(c not in "0123456789abcdefABCDEF" for c in digits):
+            raise InstsError(f"word {len(words)} (line {line_no}): {text!r} is not a 32-bit hex word")
+        words.append(int(digits, 16))
+    return words
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def decode(words: bytes | bytearray | memoryview | Sequence[int]) -> Stream:
+    """Decode a TXN stream given as little-endian bytes or as a sequence of 32-bit words.
+
+    Raises:
+        InstsError: truncation, an unknown opcode or version, a bad op length, a non-zero reserved word,
+            or a header op count / size that disagrees with the data; the message names the word index.
+    """
+    w = _as_words(words)
+    if len(w) < HEADER_WORDS:
+        raise InstsError(f"word {len(w)}: stream truncated in the {HEADER_WORDS}-word TXN header ({len(w)} words)")
+    header = _decode_header(w)
+    version = (header["major"], header["minor"])
+    num_ops, size_bytes = w[2], w[3]
+    if size_bytes != 4 * len(w):
+        raise InstsError(f"word 3: header size_bytes {size_bytes} disagrees with the stream length {4 * len(w)}")
+    ops, index = [], HEADER_WORDS
+    for n in range(num_ops):
+        if index >= len(w):
+            raise InstsError(f"word {index}: stream ends after {n} ops, header num_ops says {num_ops}")
+        op, index = _decode_op(w, index, version)
+        ops.append(op)
+    if index != len(w):
+        raise InstsError(f"word {index}: {len(w) - index} words left after the {num_ops} ops of the header")
+    return Stream(ops=tuple(ops), **header)
+
+
+def _as_words(words: bytes | bytearray | memoryview | Sequence[int]) -> list[int]:
+    if isinstance(words, (bytes, bytearray, memoryview)):
+        raw = bytes(words)
+        if len(raw) % 4:
+            raise InstsError(f"word {len(raw) // 4}: stream length {len(raw)} bytes is not a multiple of 4")
+        return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+    out = [int(x) for x in words]
+    for i, x in enumerate(out):
+        if not 0 <= x <= U32_MAX:
+            raise InstsError(f"word {i}: {x} is not a 32-bit word")
+    return out
+
+
+def _decode_header(w: list[int]) -> dict[str, int]:
+    """XAie_TxnHeader: u8 Major, Minor, DevGen, NumRows, NumCols, NumMemTileRows, u16 pad, u32 NumOps, TxnSize."""
+    major, minor, dev_gen, rows = w[0] & 0xFF, (w[0] >> 8) & 0xFF, (w[0] >> 16) & 0xFF, w[0] >> 24
+    if (major, minor) not in (VERSION_CURRENT, VERSION_2024):
+        raise InstsError(f"word 0: TXN version {major}.{minor} unknown (expected 0.1 or 1.0); not a TXN stream?")
+    if w[1] >> 16:
+        raise InstsError(f"word 1: TXN header padding 0x{w[1] >> 16:04x} not zero")
+    return {"major": major, "minor": minor, "dev_gen": dev_gen, "rows": rows,
+            "cols": w[1] & 0xFF, "mem_tile_rows": (w[1] >> 8) & 0xFF}
+
+
+def _decode_op(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+    opcode = w[i] & 0xFF
+    if w[i] >> 8:
+        raise InstsError(f"word {i}: op header 0x{w[i]:08x} has non-zero col/row/padding bytes")
+    decoder = _DECODERS.get(opcode)
+    if decoder is None:
+        raise InstsError(f"word {i}: unknown opcode 0x{opcode:02x}")
+    return decoder(w, i, version)
+
+
+def _take(w: list[int], i: int, n: int, name: str) -> list[int]:
+    if i + n > len(w):
+        raise InstsError(f"word {i}: {name} needs {n} words, only {len(w) - i} left")
+    return w[i:i + n]
+
+
+def _zero(w: list[int], i: int, positions: Sequence[int], name: str) -> None:
+    for p in positions:
+        if w[i + p]:
+            raise InstsError(f"word {i + p}: {name} reserved word {p} is 0x{w[i + p]:08x}, expected 0")
+
+
+def _size_field(w: list[int], i: int, at: int, expected: int, name: str) -> None:
+    if w[i + at] != expected:
+        raise InstsError(f"word {i + at}: {name} size field {w[i + at]} bytes, expected {expected}")
+
+
+def _decode_write32(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+    n = _WRITE32_WORDS[version]
+    f = _take(w, i, n, "WRITE32")
+    if version == VERSION_2024:
+        return Write32(addr=f[1], value=f[2]), i + n
+    # XAie_Write32Hdr: OpHdr, pad, u64 RegOff, u32 Value, u32 Size.
+    _zero(w, i, (1,), "WRITE32")
+    _size_field(w, i, 5, 4 * n, "WRITE32")
+    return Write32(addr=f[2] | f[3] << 32, value=f[4]), i + n
+
+
+def _decode_maskwrite(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+    n = _MASKWRITE_WORDS[version]
+    f = _take(w, i, n, "MASKWRITE")
+    if version == VERSION_2024:
+        return MaskWrite(addr=f[1], value=f[2], mask=f[3]), i + n
+    # XAie_MaskWrite32Hdr: OpHdr, pad, u64 RegOff, u32 Value, u32 Mask, u32 Size.
+    _zero(w, i, (1,), "MASKWRITE")
+    _size_field(w, i, 6, 4 * n, "MASKWRITE")
+    return MaskWrite(addr=f[2] | f[3] << 32, value=f[4], mask=f[5]), i + n
+
+
+def _decode_blockwrite(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+    head = _BLOCKWRITE_HEADER_WORDS[version]
+    f = _take(w, i, head, "BLOCKWRITE header")
+    if version == VERSION_2024:
+        addr, size = f[1], f[2]          # XAie_BlockWrite32Hdr_opt: OpHdr, RegOff, Size
+    else:
+        _zero(w, i, (1,), "BLOCKWRITE")  # XAie_BlockWrite32Hdr: OpHdr + Col/Row bytes, RegOff, Size
+        addr, size = f[2], f[3]
+    size_at = head - 1
+    if size % 4 or size < 4 * head:
+        raise InstsError(f"word {i + size_at}: BLOCKWRITE size {size} bytes is not a multiple of 4 >= {4 * head}")
+    data = _take(w, i + head, size // 4 - head, "BLOCKWRITE data")
+    return BlockWrite(addr=addr, words=tuple(data)), i + size // 4
+
+
+def _decode_sync(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+    # XAie_CustomOpHdr(_opt) {op, u32 Size} + tct_op_t {u32 word, u32 config}; same in both versions.
+    f = _take(w, i, _SYNC_WORDS, "SYNC")
+    _size_field(w, i, 1, 4 * _SYNC_WORDS, "SYNC")
+    word, config = f[2], f[3]
+    if word >> 24 or config & 0xFF:
+        raise InstsError(f"word {i + 2}: SYNC reserved bits set (word 0x{word:08x}, config 0x{config:08x})")
+    op = Sync(direction=word & 0xFF, row=(word >> 8) & 0xFF, col=(word >> 16) & 0xFF,
+              channel=config >> 24, row_num=(config >> 8) & 0xFF, col_num=(config >> 16) & 0xFF)
+    return op, i + _SYNC_WORDS
+
+
+def _decode_ddr_patch(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+    n = _DDR_PATCH_WORDS[version]
+    f = _take(w, i, n, "DDR_PATCH")
+    _size_field(w, i, 1, 4 * n, "DDR_PATCH")
+    if version == VERSION_2024:
+        # patch_op_opt_t: u32 regaddr, u8 argidx + 3 pad, u64 argplus.
+        if f[3] >> 8:
+            raise InstsError(f"word {i + 3}: DDR_PATCH argidx word 0x{f[3]:08x} has non-zero padding")
+        return DdrPatch(reg_addr=f[2], arg_idx=f[3], arg_plus=f[4] | f[5] << 32), i + n
+    # patch_op_t: op_base {type, size}, u32 action, pad, u64 regaddr, u64 argidx, u64 argplus.
+    _zero(w, i, (2, 3, 4, 5), "DDR_PATCH")
+    return DdrPatch(reg_addr=f[6] | f[7] << 32, arg_idx=f[8] | f[9] << 32, arg_plus=f[10] | f[11] << 32), i + n
+
+
+_DECODERS = {
+    OP_WRITE32: _decode_write32,
+    OP_BLOCKWRITE: _decode_blockwrite,
+    OP_MASKWRITE: _decode_maskwrite,
+    OP_SYNC: _decode_sync,
+    OP_DDR_PATCH: _decode_ddr_patch,
+}
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+def encode(stream: Stream) -> bytes:
+    """Encode a stream to little-endian bytes (the ``insts.bin`` layout); inverse of :func:`decode`.
+
+    Raises:
+        InstsError: the version is unknown, or an op field does not fit its encoding (names the op index).
+    """
+    words = encode_words(stream)
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+def encode_words(stream: Stream) -> list[int]:
+    """Encode a stream to a list of 32-bit words.
+
+    Raises:
+        InstsError: as :func:`encode`.
+    """
+    version = _check_version(stream.version)
+    for name in ("dev_gen", "rows", "cols", "mem_tile_rows"):
+        if not 0 <= getattr(stream, name) <= 0xFF:
+            raise InstsError(f"encode: header {name} {getattr(stream, name)} does not fit a byte")
+    body: list[int] = []
+    for n, op in enumerate(stream.ops):
+        body.extend(_encode_op(op, version, n))
+    head = [stream.major | stream.minor << 8 | stream.dev_gen << 16 | stream.rows << 24,
+            stream.cols | stream.mem_tile_rows << 8, len(stream.ops), 4 * (HEADER_WORDS + len(body))]
+    return head + body
+
+
+def layout(stream: Stream) -> list[int]:
+    """Word index at which each op of ``stream`` starts in its encoding.
+
+    Raises:
+        InstsError: the version is unknown.
+    """
+    version = _check_version(stream.version)
+    starts, index = [], HEADER_WORDS
+    for op in stream.ops:
+        starts.append(index)
+        index += _op_length(op, version)
+    return starts
+
+
+def _check_version(version: tuple[int, int]) -> tuple[int, int]:
+    if version not in (VERSION_CURRENT, VERSION_2024):
+        raise InstsError(f"encode: TXN version {version[0]}.{version[1]} unknown (expected 0.1 or 1.0)")
+    return version
+
+
+def _op_length(op: Op, version: tuple[int, int]) -> int:
+    _check_version(version)
+    if isinstance(op, Write32):
+        return _WRITE32_WORDS[version]
+    if isinstance(op, MaskWrite):
+        return _MASKWRITE_WORDS[version]
+    if isinstance(op, BlockWrite):
+        return _BLOCKWRITE_HEADER_WORDS[version] + len(op.words)
+    if isinstance(op, Sync):
+        return _SYNC_WORDS
+    if isinstance(op, DdrPatch):
+        return _DDR_PATCH_WORDS[version]
+    raise InstsError(f"encode: {type(op).__name__} is not a TXN op")
+
+
+def _fit(n: int, name: str, value: int, limit: int) -> int:
+    if not isinstance(value, int) or not 0 <= value <= limit:
+        raise InstsError(f"encode: op {n} field {name}={value!r} does not fit 0..0x{limit:x}")
+    return value
+
+
+def _encode_op(op: Op, version: tuple[int, int], n: int) -> list[int]:
+    old = version == VERSION_2024
+    addr_limit = U32_MAX if old else U64_MAX
+    if isinstance(op, Write32):
+        addr, value = _fit(n, "addr", op.addr, addr_limit), _fit(n, "value", op.value, U32_MAX)
+        return [OP_WRITE32, addr, value] if old else [OP_WRITE32, 0, addr & U32_MAX, addr >> 32, value, 24]
+    if isinstance(op, MaskWrite):
+        addr = _fit(n, "addr", op.addr, addr_limit)
+        value, mask = _fit(n, "value", op.value, U32_MAX), _fit(n, "mask", op.mask, U32_MAX)
+        if old:
+            return [OP_MASKWRITE, addr, value, mask]
+        return [OP_MASKWRITE, 0, addr & U32_MAX, addr >> 32, value, mask, 28]
+    if isinstance(op, BlockWrite):
+        return _encode_blockwrite(op, version, n)
+    if isinstance(op, Sync):
+        return _encode_sync(op, n)
+    if isinstance(op, DdrPatch):
+        return _encode_ddr_patch(op, version, n)
+    raise InstsError(f"encode: op {n} is a {type(op).__name__}, not a TXN op")
+
+
+def _encode_blockwrite(op: BlockWrite, version: tuple[int, int], n: int) -> list[int]:
+    addr = _fit(n, "addr", op.addr, U32_MAX)
+    data = [_fit(n, "words", x, U32_MAX) for x in op.words]
+    head = _BLOCKWRITE_HEADER_WORDS[version]
+    size = 4 * (head + len(data))
+    _fit(n, "size", size, U32_MAX)
+    prefix = [OP_BLOCKWRITE, addr, size] if version == VERSION_2024 else [OP_BLOCKWRITE, 0, addr, size]
+    return prefix + data
+
+
+def _encode_sync(op: Sync, n: int) -> list[int]:
+    b = {name: _fit(n, name, getattr(op, name), 0xFF)
+         for name in ("direction", "row", "col", "channel", "row_num", "col_num")}
+    word = b["direction"] | b["row"] << 8 | b["col"] << 16
+    config = b["row_num"] << 8 | b["col_num"] << 16 | b["channel"] << 24
+    return [OP_SYNC, 4 * _SYNC_WORDS, word, config]
+
+
+def _encode_ddr_patch(op: DdrPatch, version: tuple[int, int], n: int) -> list[int]:
+    plus = _fit(n, "arg_plus", op.arg_plus, U64_MAX)
+    if version == VERSION_2024:
+        reg, idx = _fit(n, "reg_addr", op.reg_addr, U32_MAX), _fit(n, "arg_idx", op.arg_idx, 0xFF)
+        return [OP_DDR_PATCH, 24, reg, idx, plus & U32_MAX, plus >> 32]
+    reg, idx = _fit(n, "reg_addr", op.reg_addr, U64_MAX), _fit(n, "arg_idx", op.arg_idx, U64_MAX)
+    return [OP_DDR_PATCH, 48, 0, 0, 0, 0, reg & U32_MAX, reg >> 32, idx & U32_MAX, idx >> 32,
+            plus & U32_MAX, plus >> 32]
+
+
+# --------------------------------------------------------------------------------------------- building
+
+
+def dma_stream(dev_gen: int, buffers: Sequence[tuple[int, int, str]], *, rtp: Sequence[int] = (),
+               column: int = 0) -> Stream:
+    """Build the TXN stream of a design that moves ``buffers`` through the shim DMA of one column.
+
+    Mirrors the field order and encodings of the mlir-aie fixtures (spec 2.3): optional runtime
+    parameters ``rtp`` written with a BLOCKWRITE to core tile (column, row 2) data memory offset 0;
+    then for buffer i: a BLOCKWRITE of shim BD i (word 0 = length in words), a DDR_PATCH of the BD's
+    address word with the buffer's ``arg_idx``, and a push of BD i on the next MM2S ("in") or S2MM ("out")
+    channel (round robin over the two channels); outputs push with the task-completion token bit after
+    setting the channel controller id, as the fixtures do; finally one SYNC per output.
+
+    Args:
+        dev_gen: TXN device generation, 3 (NPU1) or 4 (NPU4/5/6).
+        buffers: ``(arg_idx, nbytes, "in" | "out")`` per buffer; ``nbytes`` a positive multiple of 4.
+        rtp: 32-bit words identifying the computation.
+        column: partition-relative shim column.
+
+    Raises:
+        ValueError: an argument is out of range (more than 16 buffers, bad direction, size, dev_gen).
+    """
+    if dev_gen not in _BD_BURST:
+        raise ValueError(f"dma_stream: dev_gen {dev_gen} unsupported (3 = NPU1, 4 = NPU4/5/6)")
+    if not 0 <= column <= 0x7F:
+        raise ValueError(f"dma_stream: column {column} out of range 0..127")
+    if len(buffers) > SHIM_BD_COUNT:
+        raise ValueError(f"dma_stream: {len(buffers)} buffers, a shim tile has {SHIM_BD_COUNT} buffer descriptors")
+    tile = column << COL_SHIFT
+    ops: list[Op] = []
+    if rtp:
+        ops.append(BlockWrite(addr=tile | (CORE_ROW << ROW_SHIFT), words=tuple(_rtp_word(x) for x in rtp)))
+    used = {"in": 0, "out": 0}
+    syncs: list[Op] = []
+    for bd_id, (arg_idx, nbytes, direction) in enumerate(buffers):
+        channel = _channel(direction, used)
+        ops.extend(_buffer_ops(dev_gen, tile, bd_id, arg_idx, nbytes, direction, channel))
+        if direction == "out":
+            syncs.append(Sync(direction=DIRECTION_S2MM, row=0, col=column, channel=channel, row_num=1, col_num=1))
+    return Stream(major=VERSION_CURRENT[0], minor=VERSION_CURRENT[1], dev_gen=dev_gen, rows=_NUM_ROWS,
+                  cols=column + 1, mem_tile_rows=_MEM_TILE_ROWS, ops=tuple(ops + syncs))
+
+
+def _rtp_word(x: int) -> int:
+    if not 0 <= int(x) <= U32_MAX:
+        raise ValueError(f"dma_stream: rtp word {x} is not a 32-bit value")
+    return int(x)
+
+
+def _channel(direction: str, used: dict[str, int]) -> int:
+    if direction not in used:
+        raise ValueError(f"dma_stream: direction {direction!r} must be 'in' or 'out'")
+    channel = used[direction] % SHIM_CHANNELS
+    used[direction] += 1
+    return channel
+
+
+def _buffer_ops(dev_gen: int, tile: int, bd_id: int, arg_idx: int, nbytes: int, direction: str,
+                channel: int) -> list[Op]:
+    if nbytes <= 0 or nbytes % 4 or nbytes // 4 > U32_MAX:
+        raise ValueError(f"dma_stream: buffer {bd_id} size {nbytes} bytes must be a positive multiple of 4")
+    if not 0 <= arg_idx <= 0xFF:
+        raise ValueError(f"dma_stream: buffer {bd_id} arg_idx {arg_idx} out of range 0..255")
+    bd = tile | (SHIM_BD_BASE + SHIM_BD_STRIDE * bd_id)
+    ctrl = tile | (_CTRL_BASE[direction] + 8 * channel)
+    ops: list[Op] = [
+        BlockWrite(addr=bd, words=(nbytes // 4, 0, 0, 0, _BD_BURST[dev_gen], _BD_AXCACHE, 0, _BD_VALID)),
+        DdrPatch(reg_addr=bd + 4, arg_idx=arg_idx, arg_plus=0),
+    ]
+    if direction == "out":
+        ops.append(MaskWrite(addr=ctrl, value=_CTRL_VALUE, mask=_CTRL_MASK))
+        ops.append(Write32(addr=ctrl + 4, value=bd_id | _QUEUE_TOKEN))
+    else:
+        ops.append(Write32(addr=ctrl + 4, value=bd_id))
+    return ops

@@ -1,0 +1,500 @@
+"""Kernels, runs and run lists: ERT packets in reused CMD buffers, EXEC_CMD, syncobj waits.
+
+A ``Run`` owns one 4 KiB CMD buffer whose ERT_START_CU packet is built once (regmap laid out from
+the xclbin's EMBEDDED_METADATA args, spec xrt-npu-sequence.md 1.7); ``start`` only rewrites the
+state nibble and issues EXEC_CMD, ``wait`` issues one SYNCOBJ_TIMELINE_WAIT (spec 1.9). A
+``RunList`` submits prepared runs as ERT_CMD_CHAIN packets (spec 1.7, amdxdna-uapi.md 6.5).
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import abi, cmd
+from .bo import Bo
+from .errors import CommandError, CommandTimeout, XdnaError, errno_text
+
+if TYPE_CHECKING:
+    from .hwctx import ComputeUnit, HwContext
+
+__all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "NPU_OPCODE_TXN"]
+
+CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
+NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
+_INT64_MAX = (1 << 63) - 1
+_FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
+                  cmd.ERT_CMD_STATE_TIMEOUT: errno.ETIME, cmd.ERT_CMD_STATE_NORESPONSE: errno.EIO}
+# States after which the driver has overwritten the payload with 0xFF (spec amdxdna-uapi.md 6.6).
+_CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STATE_TIMEOUT}
+
+
+def _monotonic_deadline_ns(timeout: float | None) -> int:
+    # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (spec 1.9).
+    if timeout is None:
+        return _INT64_MAX
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+    return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9))
+
+
+def _root_handle(bo: Bo) -> int:
+    return bo.handle  # sub-buffers carry their parent's handle (spec 1.5)
+
+
+def _dedup(handles: Iterable[int]) -> list[int]:
+    # EXEC_CMD arg handles must be unique (ROCr: the driver errors on duplicates; XRT keeps a set).
+    return list(dict.fromkeys(handles))
+
+
+class Kernel:
+    """One compute unit of a context, with the argument layout of its xclbin kernel.
+
+    Attributes: ``name``, ``args`` (xclbin ``KernelArg`` by index), ``regmap_size``, ``cu_index``.
+    """
+
+    def __init__(self, ctx: HwContext, cu: ComputeUnit) -> None:
+        self.ctx = ctx
+        self.cu_index = cu.index
+        self.name = cu.kernel.name
+        # XRT sorts args by id and merges duplicates (spec 3.7).
+        self.args = tuple({a.index: a for a in sorted(cu.kernel.args, key=lambda a: a.index)}.values())
+        self.regmap_size = max((a.offset + a.size for a in self.args), default=0)
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name} cu={self.cu_index} args={[a.name for a in self.args]}>"
+
+    def prepare(self, *args: Any) -> Run:
+        """A run with ``args`` in xclbin argument order (ints for scalars, ``Bo`` or None for buffers).
+
+        Missing trailing arguments are left zero, as XRT leaves unset regmap slots.
+
+        Raises:
+            TypeError, ValueError: an argument does not match its declaration.
+            XdnaError: the packet buffer could not be allocated, or the context is closed.
+        """
+        self.ctx.check_open("prepare")
+        if len(args) > len(self.args):
+            raise ValueError(f"{self.name} takes {len(self.args)} arguments "
+                             f"({', '.join(a.name for a in self.args)}), got {len(args)}")
+        fields, bos = [], []
+        for decl, value in zip(self.args, args, strict=False):
+            field, bo = _arg_field(self.name, decl, value)
+            fields.append(field)
+            if bo is not None:
+                bos.append(bo)
+        regmap = cmd.encode_regmap(self.regmap_size, fields)
+        return Run(self, regmap, bos)
+
+    def prepare_npu(self, insts: Any, buffers: Sequence[Bo | None]) -> Run:
+        """A run in the mlir-aie convention: ``(3, instruction buffer, word count, *buffers)`` (spec 2.2).
+
+        ``insts``: an ``insts.Stream``, bytes, a path or u32 words; uploaded to a DEV buffer once per
+        context (cached by digest). ``buffers`` fill bo0, bo1, ... in order.
+
+        Raises:
+            InstsError: the stream is malformed.
+            ValueError: more buffers than the kernel declares.
+            XdnaError: upload or allocation failed.
+        """
+        instr, nwords = self.ctx.instructions(insts)
+        return self.prepare(NPU_OPCODE_TXN, instr, nwords, *buffers)
+
+
+def _arg_field(kernel: str, decl: Any, value: Any) -> tuple[tuple[int, int, int], Bo | None]:
+    if decl.kind == "global":
+        if value is None:
+            return (decl.offset, decl.size, 0), None
+        if not isinstance(value, Bo):
+            raise TypeError(f"{kernel} argument {decl.index} ({decl.name}) is a buffer: pass a Bo or None, "
+                            f"got {type(value).__name__}")
+        if value.closed:
+            raise ValueError(f"{kernel} argument {decl.index} ({decl.name}): buffer is closed")
+        return (decl.offset, decl.size, value.address), value
+    if decl.kind == "scalar":
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{kernel} argument {decl.index} ({decl.name}) is a scalar: pass an int, "
+                            f"got {type(value).__name__}")
+        bits = 8 * decl.size
+        value = int(value)
+        if not -(1 << (bits - 1)) <= value < (1 << bits):
+            raise ValueError(f"{kernel} argument {decl.index} ({decl.name}) = {value} does not fit {decl.size} bytes")
+        return (decl.offset, decl.size, value & ((1 << bits) - 1)), None
+    raise ValueError(f"{kernel} argument {decl.index} ({decl.name}) has kind {decl.kind!r}; only scalar and "
+                     f"global arguments can be set")
+
+
+class Run:
+    """One prepared kernel invocation with its own reusable command buffer.
+
+    ``start()`` submits it (again and again), ``wait(timeout)`` waits and checks the state.
+    ``state`` is the packet's ERT state, ``seq`` the last submission number, ``elapsed`` the
+    seconds from the last ``start`` to the completion seen by ``wait``.
+    """
+
+    def __init__(self, kernel: Kernel, regmap: bytes | bytearray, bos: Sequence[Bo]) -> None:
+        ctx = kernel.ctx
+        self.kernel = kernel
+        self.ctx = ctx
+        self.buffers = tuple(bos)  # keeps the argument buffers alive while the run exists
+        self._regmap = bytes(regmap)
+        self._lock = threading.Lock()
+        self.packet = ctx.device.bo(CMD_BO_SIZE, "cmd")
+        try:
+            self._view = memoryview(self.packet.array(np.uint8))
+            self.words = cmd.payload_words(len(self._regmap))
+            self._encode()
+            self.handles = _dedup(_root_handle(bo) for bo in bos)
+            self._exec = _exec_struct(ctx, self.packet.handle, self.handles)
+            self._wait = _WaitStructs(ctx)
+        except BaseException:
+            self.packet.close()
+            raise
+        self.seq: int | None = None
+        self.elapsed: float | None = None
+        self._t0 = 0.0
+        self._clobbered = False
+        ctx.track(self)
+
+    def _encode(self) -> None:
+        cmd.encode_start_cu(self._view, self.kernel.cu_index, self._regmap)
+
+    def __repr__(self) -> str:
+        return f"<Run {self.kernel.name} seq={self.seq} state={cmd.state_name(self.state) if self._live() else '-'}>"
+
+    def _live(self) -> bool:
+        return not self.packet.closed
+
+    @property
+    def opcode(self) -> int:
+        """The ERT opcode of the packet (ERT_START_CU)."""
+        return cmd.ERT_START_CU
+
+    @property
+    def state(self) -> int:
+        """The packet's current ERT state (``cmd.ERT_CMD_STATE_*``)."""
+        return cmd.read_state(self._view)
+
+    @property
+    def state_name(self) -> str:
+        """The current state's ERT name."""
+        return cmd.state_name(self.state)
+
+    def restore(self) -> None:
+        """Rebuild the packet if the driver clobbered it (0xFF payload after a failure), else reset to NEW."""
+        if self._clobbered:
+            self._encode()
+            self._clobbered = False
+        else:
+            cmd.write_state(self._view, cmd.ERT_CMD_STATE_NEW)
+
+    def start(self) -> Run:
+        """Submit with EXEC_CMD (no allocation: the packet and the ioctl structs are reused).
+
+        Raises:
+            XdnaError: EXEC_CMD failed (names hwctx, the command handle and arg count), or closed.
+        """
+        self.ctx.check_open("EXEC_CMD")
+        with self._lock:
+            self.restore()
+            self.seq = _submit(self.ctx, self._exec, self.packet.handle)
+            self._t0 = time.perf_counter()
+            self.elapsed = None
+        return self
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the last submission and check its state; returns ``ERT_CMD_STATE_COMPLETED``.
+
+        Always one SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on
+        the context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
+
+        Raises:
+            CommandTimeout: the wait expired (``state`` is the live one) or the driver's TDR marked the
+                command TIMEOUT (with the health record when the driver left one).
+            CommandError: any other final state (ERROR, ABORT, or NEW for a malformed command).
+            RuntimeError: the run was never started.
+        """
+        with self._lock:
+            if self.seq is None:
+                raise RuntimeError(f"Run of {self.kernel.name} was never started")
+            _wait_seq(self.ctx, self._wait, self.seq, timeout, self.kernel.name)
+            self.elapsed = time.perf_counter() - self._t0
+            state = self.state
+            if state == cmd.ERT_CMD_STATE_COMPLETED:
+                return state
+            self._clobbered = state in _CLOBBERED
+            raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view)
+
+    def __call__(self, timeout: float | None = None) -> int:
+        """``start()`` then ``wait(timeout)``."""
+        return self.start().wait(timeout)
+
+    def close(self) -> None:
+        """Release the packet buffer (idempotent)."""
+        self.packet.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _WaitStructs:
+    """Preallocated SYNCOBJ_TIMELINE_WAIT (or WAIT_CMD) request for one waiter."""
+
+    def __init__(self, ctx: HwContext) -> None:
+        ffi = abi.ffi
+        if ctx.syncobj:
+            self.handles = ffi.new("uint32_t[1]", [ctx.syncobj])
+            self.points = ffi.new("uint64_t[1]")
+            self.req = ffi.new("struct drm_syncobj_timeline_wait *")
+            self.req.handles = int(ffi.cast("uintptr_t", self.handles))
+            self.req.points = int(ffi.cast("uintptr_t", self.points))
+            self.req.count_handles = 1
+            self.req.flags = abi.DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT
+        else:
+            self.req = ffi.new("struct amdxdna_drm_wait_cmd *")
+            self.req.hwctx = ctx.handle
+
+
+def _exec_struct(ctx: HwContext, cmd_handle: int, handles: Sequence[int]):
+    ffi = abi.ffi
+    exe = ffi.new("struct amdxdna_drm_exec_cmd *")
+    args = ffi.new("uint32_t[]", list(handles) or [0])
+    exe.hwctx = ctx.handle
+    exe.type = abi.AMDXDNA_CMD_SUBMIT_EXEC_BUF
+    exe.cmd_handles = cmd_handle  # the handle itself when cmd_count == 1 (spec 1.8)
+    exe.args = int(ffi.cast("uintptr_t", args)) if handles else 0
+    exe.cmd_count = 1
+    exe.arg_count = len(handles)
+    return exe, args
+
+
+def _submit(ctx: HwContext, exe_args, cmd_handle: int) -> int:
+    exe, _ = exe_args
+    ctx.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, exe,
+                          {"hwctx": ctx.handle, "cmd_handles": cmd_handle, "arg_count": exe.arg_count})
+    return exe.seq
+
+
+def _wait_seq(ctx: HwContext, waiter: _WaitStructs, seq: int, timeout: float | None, what: str) -> None:
+    deadline = _monotonic_deadline_ns(timeout)
+    file = ctx.device.file
+    try:
+        if ctx.syncobj:
+            waiter.points[0] = seq
+            waiter.req.timeout_nsec = deadline
+            file.ioctl(abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, waiter.req,
+                       {"handle": ctx.syncobj, "point": seq, "timeout": "forever" if timeout is None else timeout})
+        else:
+            waiter.req.seq = seq
+            waiter.req.timeout = 0 if timeout is None else max(1, math.ceil(timeout * 1000))
+            file.ioctl(abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, waiter.req,
+                       {"hwctx": ctx.handle, "seq": seq, "timeout_ms": waiter.req.timeout})
+    except XdnaError as exc:
+        if exc.errno == errno.ETIME:
+            raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
+                                              f"{timeout} s: {exc}", kernel=what, state="RUNNING", seq=seq) from exc
+        raise
+
+
+def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index: int | None = None,
+                   health_packet=None) -> CommandError:
+    name = cmd.state_name(state)
+    err = _FAILED_STATES.get(state, errno.EINVAL)
+    health = cmd.decode_health(health_packet if health_packet is not None else packet) \
+        if state == cmd.ERT_CMD_STATE_TIMEOUT else None
+    where = f", index={index}" if index is not None else ""
+    detail = "the driver rejected the packet (state left NEW)" if state == cmd.ERT_CMD_STATE_NEW else errno_text(err)
+    message = f"{kernel} (hwctx={hwctx}, seq={seq}{where}): command {name}: {detail}"
+    if health is not None:
+        message += (f"; health: txn_op_idx={health.txn_op_idx} ctx_pc={health.ctx_pc:#x} "
+                    f"fatal_error_type={health.fatal_error_type:#x}")
+    cls = CommandTimeout if state == cmd.ERT_CMD_STATE_TIMEOUT else CommandError
+    return cls(err, message, kernel=kernel, state=name, seq=seq, index=index, health=health)
+
+
+class _Chain:
+    """One ERT_CMD_CHAIN packet over a slice of the run list."""
+
+    def __init__(self, ctx: HwContext, runs: Sequence[Run], first: int) -> None:
+        self.runs = tuple(runs)
+        self.first = first
+        self.bo = ctx.device.bo(CMD_BO_SIZE, "cmd")
+        try:
+            self.view = memoryview(self.bo.array(np.uint8))
+            self.handles = [run.packet.handle for run in runs]
+            cmd.encode_chain(self.view, self.handles)
+            # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (spec 6.5).
+            arg_handles = _dedup([h for run in runs for h in run.handles] + self.handles)
+            self.exec = _exec_struct(ctx, self.bo.handle, arg_handles)
+        except BaseException:
+            self.bo.close()
+            raise
+        self.seq: int | None = None
+        self.failed = False
+
+    def reset(self) -> None:
+        """Make the packets submittable again: rebuild them after a failure (the driver 0xFF-fills the
+        first sub-command's payload, spec 6.6), else only set every state back to NEW."""
+        if self.failed:
+            cmd.encode_chain(self.view, self.handles)
+            for run in self.runs:
+                run._encode()
+                run._clobbered = False
+            self.failed = False
+            return
+        cmd.write_state(self.view, cmd.ERT_CMD_STATE_NEW)
+        for run in self.runs:
+            run.restore()
+
+
+class RunList:
+    """Prepared runs of one context submitted together as ERT_CMD_CHAIN packets.
+
+    Runs are split into chains of at most ``cmd.CHAIN_MAX_RUNS`` (XRT's 24) whose sub-command
+    slots fit the driver's 4 KiB list buffer. ``start()`` submits every chain, ``wait()`` waits
+    once (the last chain's timeline point) and checks each chain in order. ``states`` holds the
+    per-run ERT states after ``wait``. Reusable: restarting rewrites only states, except after a
+    failure, when the clobbered packets are rebuilt.
+    """
+
+    def __init__(self, ctx: HwContext, runs: Sequence[Run]) -> None:
+        """Build the chain packets.
+
+        Raises:
+            ValueError: empty list, runs of another context, mixed opcodes or a repeated run.
+            XdnaError: a chain buffer could not be allocated (nothing is left allocated).
+        """
+        runs = list(runs)
+        _check_runs(ctx, runs)
+        self.ctx = ctx
+        self.runs = tuple(runs)
+        self.chains: list[_Chain] = []
+        self.states: list[int] = [cmd.ERT_CMD_STATE_NEW] * len(runs)
+        self._lock = threading.Lock()
+        self._wait = _WaitStructs(ctx)
+        try:
+            for first, group in _split(runs):
+                self.chains.append(_Chain(ctx, group, first))
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def __repr__(self) -> str:
+        return f"<RunList runs={len(self.runs)} chains={len(self.chains)}>"
+
+    def start(self) -> RunList:
+        """Submit every chain packet (one EXEC_CMD each).
+
+        Raises:
+            XdnaError: EXEC_CMD failed or the context is closed.
+        """
+        self.ctx.check_open("EXEC_CMD")
+        with self._lock:
+            for chain in self.chains:
+                chain.reset()
+                chain.seq = None
+            self.states = [cmd.ERT_CMD_STATE_NEW] * len(self.runs)
+            for chain in self.chains:
+                chain.seq = _submit(self.ctx, chain.exec, chain.bo.handle)
+        return self
+
+    def wait(self, timeout: float | None = None) -> list[int]:
+        """Wait once for the last chain, then check every chain; returns the per-run states.
+
+        Raises:
+            CommandError: a chain failed; ``index`` is the failing run's position in this list
+                (runs before it COMPLETED, after it ABORT, as XRT reports).
+            CommandTimeout: the wait expired or the failing run TIMEOUT.
+            RuntimeError: not started.
+        """
+        with self._lock:
+            if any(chain.seq is None for chain in self.chains):
+                raise RuntimeError("RunList was never started")
+            # Timeline points signal in order: the last chain's point covers the earlier ones.
+            last = self.chains[-1]
+            _wait_seq(self.ctx, self._wait, last.seq, timeout, f"RunList of {len(self.runs)} runs")
+            if not self.ctx.syncobj:
+                for chain in self.chains[:-1]:
+                    _wait_seq(self.ctx, self._wait, chain.seq, timeout, f"RunList of {len(self.runs)} runs")
+            failure = None
+            for chain in self.chains:
+                failure = failure or self._collect(chain)
+            if failure is not None:
+                raise failure
+            return list(self.states)
+
+    def _collect(self, chain: _Chain) -> CommandError | None:
+        state = cmd.read_state(chain.view)
+        n = len(chain.runs)
+        if state == cmd.ERT_CMD_STATE_COMPLETED:
+            self.states[chain.first:chain.first + n] = [state] * n
+            return None
+        info = cmd.decode_chain(chain.view) if state != cmd.ERT_CMD_STATE_NEW else None
+        error_index = info.error_index if info is not None and info.error_index < n else 0
+        self.states[chain.first:chain.first + n] = ([cmd.ERT_CMD_STATE_COMPLETED] * error_index + [state]
+                                                    + [cmd.ERT_CMD_STATE_ABORT] * (n - error_index - 1))
+        chain.failed = True
+        run = chain.runs[error_index]
+        index = chain.first + error_index
+        # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).
+        return _command_error(run.kernel.name, state, chain.seq, self.ctx.handle, chain.view, index=index,
+                              health_packet=chain.runs[0]._view)
+
+    def __call__(self, timeout: float | None = None) -> list[int]:
+        """``start()`` then ``wait(timeout)``."""
+        return self.start().wait(timeout)
+
+    def close(self) -> None:
+        """Release the chain packet buffers (the runs stay usable); idempotent."""
+        for chain in self.chains:
+            chain.bo.close()
+
+    def __enter__(self) -> RunList:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_runs(ctx: HwContext, runs: Sequence[Run]) -> None:
+    if not runs:
+        raise ValueError("RunList needs at least one run")
+    for i, run in enumerate(runs):
+        if not isinstance(run, Run):
+            raise TypeError(f"RunList entry {i} is a {type(run).__name__}, not a Run")
+        if run.ctx is not ctx:
+            raise ValueError(f"RunList entry {i} belongs to another hardware context")
+        if run.opcode != runs[0].opcode:
+            raise ValueError(f"RunList entry {i} has opcode {run.opcode}, the chain needs one opcode "
+                             f"({runs[0].opcode}) for all sub-commands")
+    if len({id(run) for run in runs}) != len(runs):
+        raise ValueError("RunList contains the same Run twice (one command buffer cannot be two sub-commands)")
+
+
+def _split(runs: Sequence[Run]) -> Iterable[tuple[int, list[Run]]]:
+    group: list[Run] = []
+    used = 0
+    first = 0
+    for i, run in enumerate(runs):
+        cost = cmd.chain_slot_cost(run.words)
+        if cost > cmd.CHAIN_SLOT_BUDGET:
+            raise ValueError(f"run {i} ({run.kernel.name}) takes {cost} bytes of the driver's "
+                             f"{cmd.CHAIN_SLOT_BUDGET}-byte command list on its own")
+        if group and (len(group) == cmd.CHAIN_MAX_RUNS or used + cost > cmd.CHAIN_SLOT_BUDGET):
+            yield first, group
+            group, used, first = [], 0, i
+        group.append(run)
+        used += cost
+    yield first, group

@@ -1,0 +1,132 @@
+"""The syscall seam: the only runtime module that opens, ioctls, maps and closes the device.
+
+``Seam`` is the protocol; ``OsSeam`` is the real implementation on ``/dev/accel/accelN``; the
+emulator's ``EmuSeam`` is the other one (docs/design.md section 1). Failures raise
+``OSError(errno, strerror)``; the device layer turns them into typed errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from typing import Protocol, runtime_checkable
+
+from . import abi
+
+__all__ = ["Seam", "OsSeam"]
+
+_MAP_FAILED = (1 << 64) - 1  # (void *)-1
+
+
+@runtime_checkable
+class Seam(Protocol):
+    """What the runtime needs from a device file: ioctl, shared mappings, VA reservations, close."""
+
+    name: str
+
+    def ioctl(self, request: int, buf) -> int:
+        """Issue ``request`` with the writable ``buf`` (results written in place); raise OSError on failure."""
+        ...
+
+    def mmap(self, length: int, offset: int, addr: int = 0) -> int:
+        """MAP_SHARED the device at ``offset`` (MAP_FIXED at ``addr`` when non-zero); return the address."""
+        ...
+
+    def reserve(self, length: int, alignment: int) -> int:
+        """Reserve ``length`` bytes of PROT_NONE address space aligned to ``alignment``; return the address."""
+        ...
+
+    def munmap(self, addr: int, length: int) -> None:
+        """Unmap ``[addr, addr + length)``."""
+        ...
+
+    def close(self) -> None:
+        """Close the device file (idempotent)."""
+        ...
+
+
+class OsSeam:
+    """The real device file: ``os.open`` + ``fcntl.ioctl`` + libc ``mmap``/``munmap`` through ``abi.libc``."""
+
+    def __init__(self, path: str) -> None:
+        """Open ``path`` read-write, close-on-exec.
+
+        Raises:
+            OSError: from ``open(2)`` (ENOENT, EACCES, ...), unchanged.
+        """
+        self.name = str(path)
+        self.fd = os.open(self.name, os.O_RDWR | os.O_CLOEXEC)
+
+    def __repr__(self) -> str:
+        return f"OsSeam({self.name!r}, fd={self.fd})"
+
+    def ioctl(self, request: int, buf) -> int:
+        """``ioctl(fd, request, buf)`` with results written back into ``buf``.
+
+        Raises:
+            OSError: the ioctl failed (errno set by the driver).
+        """
+        return fcntl.ioctl(self._live_fd(), request, buf, True)
+
+    def mmap(self, length: int, offset: int, addr: int = 0) -> int:
+        """Map ``length`` bytes of the device at ``offset``, MAP_SHARED (the shmem GEM refuses private
+        mappings, spec amdxdna-uapi.md 7), MAP_FIXED at ``addr`` when given.
+
+        MAP_LOCKED, which the XRT shim adds, is left out on purpose: it fails with EAGAIN under the
+        default RLIMIT_MEMLOCK for a 64 MiB heap, and XRT-lite and ROCr map without it (spec 1.4).
+
+        Raises:
+            OSError: mmap failed.
+        """
+        flags = abi.MAP_SHARED | (abi.MAP_FIXED if addr else 0)
+        return self._mmap(addr, length, abi.PROT_READ | abi.PROT_WRITE, flags, self._live_fd(), offset)
+
+    def reserve(self, length: int, alignment: int) -> int:
+        """Reserve an aligned PROT_NONE range: over-map by ``alignment``, then trim both ends.
+
+        Raises:
+            ValueError: alignment is not a power of two.
+            OSError: mmap/munmap failed.
+        """
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"reserve alignment {alignment:#x} is not a power of two")
+        flags = abi.MAP_PRIVATE | abi.MAP_ANONYMOUS | abi.MAP_NORESERVE
+        base = self._mmap(0, length + alignment, abi.PROT_NONE, flags, -1, 0)
+        aligned = (base + alignment - 1) & ~(alignment - 1)
+        if aligned > base:
+            self.munmap(base, aligned - base)
+        tail = base + length + alignment - (aligned + length)
+        if tail:
+            self.munmap(aligned + length, tail)
+        return aligned
+
+    def munmap(self, addr: int, length: int) -> None:
+        """Unmap a range.
+
+        Raises:
+            OSError: munmap failed.
+        """
+        if abi.libc.munmap(abi.ffi.cast("void *", addr), length) != 0:
+            err = abi.ffi.errno
+            raise OSError(err, f"munmap(addr={addr:#x}, length={length:#x}): {os.strerror(err)}")
+
+    def close(self) -> None:
+        """Close the file descriptor; later calls raise EBADF."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def _live_fd(self) -> int:
+        if self.fd < 0:
+            raise OSError(errno.EBADF, f"{self.name} is closed")
+        return self.fd
+
+    @staticmethod
+    def _mmap(addr: int, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+        ptr = abi.libc.mmap(abi.ffi.cast("void *", addr), length, prot, flags, fd, offset)
+        value = int(abi.ffi.cast("uintptr_t", ptr))
+        if value == _MAP_FAILED:
+            err = abi.ffi.errno
+            raise OSError(err, f"mmap(addr={addr:#x}, length={length:#x}, offset={offset:#x}): {os.strerror(err)}")
+        return value

@@ -1,0 +1,186 @@
+"""The ioctl trace: ``AMDXDNA_TRACE=1`` logs every ioctl decoded, plus a per-process summary.
+
+Each record (logger ``amdxdna_direct.trace``, level INFO) reads
+``CREATE_HWCTX(qos_p=0x7f.., max_opc=2048, num_tiles=4) -> 0 {handle=1, syncobj_handle=1} 41.2us``
+or ``... -> ENODEV (No such device) 12.0us``: the name, the decoded input fields, the result (and
+the output fields the driver changed) or the errno, and the duration. The summary (count and total
+time per ioctl) is logged at interpreter exit; ``amdxdna trace`` (the CLI) reuses ``Tracer``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from . import abi
+from .errors import errno_text
+
+__all__ = ["Tracer", "TRACER", "enabled", "enable", "disable", "decode", "describe_request"]
+
+log = logging.getLogger("amdxdna_direct.trace")
+
+
+def describe_request(request: int) -> tuple[str, str | None]:
+    """``(short name, C struct type)`` of a request number; unknown requests get a hex name."""
+    entry = abi.IOCTLS.get(request)
+    if entry is None:
+        return f"IOCTL_{request:#010x}", None
+    return entry[0], entry[1]
+
+
+def decode(ctype: str | None, buf) -> dict[str, object]:
+    """The top-level fields of ``buf`` read as C struct ``ctype`` (integers and pointers as ints).
+
+    Nested structs and arrays are shown by their cffi repr; an unknown type yields ``{}``.
+    """
+    if ctype is None:
+        return {}
+    ffi = abi.ffi
+    ptr = ffi.from_buffer(ctype + " *", buf)
+    fields: dict[str, object] = {}
+    for name, field in ffi.typeof(ctype).fields:
+        value = getattr(ptr, name)
+        kind = field.type.kind
+        if kind == "pointer":
+            value = int(ffi.cast("uintptr_t", value))
+        elif kind not in ("primitive", "enum"):
+            value = _compound(ffi, value, field.type)
+        fields[name] = value
+    return fields
+
+
+def _compound(ffi, value, ctype) -> object:
+    if ctype.kind == "array" and ctype.item.kind == "primitive":
+        return list(value)
+    return ffi.string(value) if ctype.kind == "array" and ctype.item.cname == "char" else repr(value)
+
+
+def _format_fields(fields: dict[str, object]) -> str:
+    return ", ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0xFFFF:
+        return hex(value)
+    return str(value)
+
+
+class Tracer:
+    """Per-process ioctl statistics and decoded log lines.
+
+    ``call`` wraps one ioctl; ``summary()`` gives ``{name: (count, total_seconds)}``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+
+    def call(self, seam_name: str, request: int, buf, issue: Callable[[int, object], int]) -> int:
+        """Run ``issue(request, buf)``, timing it and logging it decoded.
+
+        Raises:
+            OSError: whatever ``issue`` raises, unchanged (after it is logged).
+        """
+        name, ctype = describe_request(request)
+        before = decode(ctype, buf)
+        start = time.perf_counter()
+        try:
+            result = issue(request, buf)
+        except OSError as exc:
+            self._record(name, time.perf_counter() - start, failed=True)
+            log.info("%s %s(%s) -> %s %s", seam_name, name, _format_fields(before),
+                     errno_text(exc.errno) if exc.errno else exc, _duration(time.perf_counter() - start))
+            raise
+        elapsed = time.perf_counter() - start
+        self._record(name, elapsed, failed=False)
+        after = decode(ctype, buf)
+        changed = {k: v for k, v in after.items() if before.get(k) != v}
+        log.info("%s %s(%s) -> %s {%s} %s", seam_name, name, _format_fields(before), result,
+                 _format_fields(changed), _duration(elapsed))
+        return result
+
+    def _record(self, name: str, elapsed: float, failed: bool) -> None:
+        with self._lock:
+            self.counts[name] += 1
+            self.seconds[name] += elapsed
+            if failed:
+                self.errors[name] += 1
+
+    def summary(self) -> dict[str, tuple[int, float]]:
+        """``{ioctl name: (count, total seconds)}`` for this process so far."""
+        with self._lock:
+            return {name: (self.counts[name], self.seconds[name]) for name in sorted(self.counts)}
+
+    def format_summary(self) -> str:
+        """A small table: name, count, errors, total and mean time."""
+        lines = [f"{'ioctl':<24}{'count':>8}{'errors':>8}{'total ms':>12}{'mean us':>10}"]
+        for name, (count, seconds) in self.summary().items():
+            lines.append(f"{name:<24}{count:>8}{self.errors[name]:>8}{seconds * 1e3:>12.3f}"
+                         f"{seconds / count * 1e6:>10.1f}")
+        return "\n".join(lines)
+
+    def reset(self) -> None:
+        """Forget the counters."""
+        with self._lock:
+            self.counts.clear()
+            self.seconds.clear()
+            self.errors.clear()
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f}us"
+
+
+TRACER = Tracer()
+_state: dict = {"enabled": False, "atexit": False, "handlers": []}
+
+
+def enabled() -> bool:
+    """Whether ioctls are traced (``AMDXDNA_TRACE=1`` at import, or ``enable()``)."""
+    return _state["enabled"]
+
+
+def enable(stream=None) -> logging.Handler | None:
+    """Start tracing; with ``stream``, also attach a handler writing the log lines to it.
+
+    When the trace logger has no handler of its own, one writing to stderr is attached so that
+    ``AMDXDNA_TRACE=1`` shows output without any logging setup. The summary is logged at exit.
+    Returns the handler attached, if any (``disable`` removes it).
+    """
+    handler = None
+    if stream is not None or not log.handlers:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(logging.Formatter("amdxdna-trace: %(message)s"))
+        log.addHandler(handler)
+        _state["handlers"].append(handler)
+    if log.level == logging.NOTSET or log.level > logging.INFO:
+        log.setLevel(logging.INFO)
+    _state["enabled"] = True
+    if not _state["atexit"]:
+        atexit.register(_log_summary)
+        _state["atexit"] = True
+    return handler
+
+
+def disable() -> None:
+    """Stop tracing and detach the handlers ``enable`` attached (counters are kept)."""
+    _state["enabled"] = False
+    while _state["handlers"]:
+        log.removeHandler(_state["handlers"].pop())
+
+
+def _log_summary() -> None:
+    if TRACER.counts:
+        log.info("ioctl summary for pid %d:\n%s", os.getpid(), TRACER.format_summary())
+
+
+if os.environ.get("AMDXDNA_TRACE", "") not in ("", "0"):
+    enable()

@@ -1,0 +1,401 @@
+"""Loading and validating a SAM3 kernel bundle (spec/sam3-bundle.md 1-6).
+
+A bundle is a directory holding `manifest.json`, one xclbin per hardware context, one TXN
+instruction stream per kernel key and optional packed weights. Everything is checked on load;
+every error is a `BundleError` naming the manifest key and field it concerns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from sam3.pack import BF16_BYTES, ConvGeometry, Layout, parse_layout
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+# NPU generation of each target name (spec/xrt-npu-sequence.md 4): npu1 is AIE2 (Phoenix/Hawk
+# Point); npu4/5/6 are one AIE2P family whose xclbins and TXN streams are interchangeable.
+GENERATIONS = {"npu1": "aie2", "npu4": "aie2p", "npu5": "aie2p", "npu6": "aie2p"}
+# TXN header word 0 bits 16..23 (spec/xrt-npu-sequence.md 2.3): 3 = NPU1, 4 = NPU2 (AIE2P).
+TXN_DEV_GEN = {"aie2": 3, "aie2p": 4}
+
+ELEMENTWISE_FNS = ("gelu", "silu", "add", "copy", "layernorm")
+
+_TOP_REQUIRED = {"format", "target", "xclbins"}
+_TOP_OPTIONAL = {"gemms", "mhas", "ops"}
+_XCLBIN_FIELDS = {"path", "kernel"}
+_GEMM_FIELDS = {"key", "ctx", "m", "k", "n", "lda", "insts", "b_bytes", "b_layout"}
+_MHA_FIELDS = {"key", "heads", "seq", "d", "elems", "xclbin", "insts", "name"}
+_OP_FIELDS = {"key", "xclbin", "insts", "name", "fn", "elems"}
+_OP_OPTIONAL = {"n"}  # layernorm's normalised length (spec 6: "over the last n elements")
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be used; `key` and `field` name where (either may be None)."""
+
+    def __init__(self, message: str, key: str | None = None, field: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.field = field
+
+
+@dataclass(frozen=True)
+class XclbinEntry:
+    """One hardware context's xclbin: manifest name, resolved path, kernel name."""
+
+    name: str
+    path: Path
+    kernel: str
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """`C[m x n] = A[m x k] @ B[k x n]`, rows of A `lda` elements apart (spec 2)."""
+
+    key: str
+    ctx: str
+    m: int
+    k: int
+    n: int
+    lda: int
+    insts: Path
+    b_bytes: int
+    b_layout: str
+
+    @property
+    def layout(self) -> Layout:
+        """The parsed `b_layout`."""
+        return parse_layout(self.b_layout)
+
+    @property
+    def conv(self) -> ConvGeometry | None:
+        """D, P and Cout of a `conv3x3:P` GEMM; None for a plain GEMM."""
+        return ConvGeometry.of(self.k, self.lda, self.n) if self.layout.kind == "conv3x3" else None
+
+
+@dataclass(frozen=True)
+class MhaSpec:
+    """Multi-head attention over `[heads][seq][d]` q, k, v, o (spec 5)."""
+
+    key: str
+    heads: int
+    seq: int
+    d: int
+    elems: int
+    xclbin: Path
+    insts: Path
+    name: str
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An element-wise kernel `fn` over buffers of `elems` elements (spec 6); `n` for layernorm."""
+
+    key: str
+    xclbin: Path
+    insts: Path
+    name: str
+    fn: str
+    elems: int
+    n: int | None = None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Where a key's kernel comes from: its context id (the xclbin path), xclbin, stream, kernel name."""
+
+    key: str
+    ctx: str
+    xclbin: Path
+    insts: Path
+    name: str
+
+
+class Bundle:
+    """A loaded, validated bundle. Build with `Bundle.load(directory)`."""
+
+    def __init__(self, root: Path, target: str, xclbins: dict[str, XclbinEntry], gemms: dict[str, GemmSpec],
+                 mhas: dict[str, MhaSpec], ops: dict[str, OpSpec]):
+        self.root = root
+        self.target = target
+        self.xclbins = xclbins
+        self.gemms = gemms
+        self.mhas = mhas
+        self.ops = ops
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Bundle:
+        """Reads and checks `directory/manifest.json` and every file it names.
+
+        Raises:
+            BundleError: unreadable or malformed manifest, a missing or escaping file, a bad field.
+        """
+        root = Path(directory).resolve()
+        doc = _read_manifest(root)
+        _check_fields(doc, _TOP_REQUIRED, _TOP_OPTIONAL, None, "manifest")
+        if doc["format"] != FORMAT or isinstance(doc["format"], bool):
+            raise BundleError(f"manifest format: {doc['format']!r} is not supported (expected {FORMAT})",
+                              field="format")
+        target = doc["target"]
+        if target not in GENERATIONS:
+            raise BundleError(f"manifest target: unknown NPU {target!r} (expected one of {sorted(GENERATIONS)})",
+                              field="target")
+        xclbins = _load_xclbins(root, _mapping(doc, "xclbins"))
+        seen: set[str] = set()
+        gemms = {g.key: g for g in (_load_gemm(root, e, xclbins, seen) for e in _entries(doc, "gemms"))}
+        mhas = {h.key: h for h in (_load_mha(root, e, seen) for e in _entries(doc, "mhas"))}
+        ops = {o.key: o for o in (_load_op(root, e, seen) for e in _entries(doc, "ops"))}
+        bundle = cls(root, target, xclbins, gemms, mhas, ops)
+        bundle._check_streams()
+        bundle._check_weights()
+        return bundle
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Every kernel key, sorted (the order the NPU layer loads them in, spec 7)."""
+        return sorted([*self.gemms, *self.mhas, *self.ops])
+
+    def kernel(self, key: str) -> Kernel:
+        """Where `key`'s kernel comes from; kernels naming the same xclbin share a context (spec 1).
+
+        Raises:
+            KeyError: no kernel `key` in the bundle.
+        """
+        if key in self.gemms:
+            g = self.gemms[key]
+            x = self.xclbins[g.ctx]
+            return Kernel(key, self._ctx_id(x.path), x.path, g.insts, x.kernel)
+        spec = self.mhas.get(key) or self.ops.get(key)
+        if spec is None:
+            raise KeyError(f"bundle {self.root}: no kernel {key!r}")
+        return Kernel(key, self._ctx_id(spec.xclbin), spec.xclbin, spec.insts, spec.name)
+
+    def weights(self, key: str) -> Path | None:
+        """The packed B of GEMM `key` shipped in `weights/<key>.bin`, or None."""
+        path = self.root / "weights" / f"{key}.bin"
+        return path if path.is_file() else None
+
+    def check_target(self, device: str) -> None:
+        """Checks that this bundle's xclbins run on a device of generation `device` ("npu1", "npu4", ...).
+
+        Raises:
+            BundleError: the device belongs to another NPU generation (naming both).
+        """
+        have = GENERATIONS.get(device)
+        want = GENERATIONS[self.target]
+        if have != want:
+            raise BundleError(f"bundle {self.root} targets {self.target} ({want.upper()}) but the device is "
+                              f"{device} ({(have or 'unknown generation').upper()})", field="target")
+
+    def _ctx_id(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    # -- cross-file checks ----------------------------------------------------------------------
+
+    def _check_streams(self) -> None:
+        """Each instruction stream is a TXN stream for the bundle's target (spec/xrt-npu-sequence.md 2.3)."""
+        want = TXN_DEV_GEN[GENERATIONS[self.target]]
+        for key in self.keys():
+            path = self.kernel(key).insts
+            head = path.read_bytes()[:16]
+            if len(head) < 16 or path.stat().st_size % 4:
+                raise BundleError(f"{key}.insts: {path.name} is not a TXN stream (size {path.stat().st_size})",
+                                  key, "insts")
+            word0, _, _, size = struct.unpack("<4I", head)
+            gen = (word0 >> 16) & 0xFF
+            if gen != want:
+                raise BundleError(f"{key}.insts: TXN device generation {gen} does not match target "
+                                  f"{self.target} (generation {want})", key, "insts")
+            if size != path.stat().st_size:
+                raise BundleError(f"{key}.insts: TXN header says {size} bytes, file has {path.stat().st_size}",
+                                  key, "insts")
+
+    def _check_weights(self) -> None:
+        """Shipped weights must be exactly `b_bytes` long and belong to a GEMM."""
+        folder = self.root / "weights"
+        if not folder.exists():
+            return
+        for path in sorted(folder.iterdir()):
+            key = path.name.removesuffix(".bin")
+            _inside(self.root, f"weights/{path.name}", key, "weights")
+            if key not in self.gemms:
+                raise BundleError(f"weights/{path.name}: no GEMM {key!r} in the manifest", key, "weights")
+            if path.stat().st_size != self.gemms[key].b_bytes:
+                raise BundleError(f"{key}.b_bytes: weights/{path.name} has {path.stat().st_size} bytes, "
+                                  f"b_bytes is {self.gemms[key].b_bytes}", key, "b_bytes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Field-level checks
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"bundle {root}: {MANIFEST} not found", field=MANIFEST)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BundleError(f"bundle {root}: {MANIFEST} is not valid JSON: {e}", field=MANIFEST) from e
+    if not isinstance(doc, dict):
+        raise BundleError(f"bundle {root}: {MANIFEST} must hold an object, not {type(doc).__name__}",
+                          field=MANIFEST)
+    return doc
+
+
+def _check_fields(entry: Any, required: set[str], optional: set[str], key: str | None, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise BundleError(f"{where}: expected an object, got {type(entry).__name__}", key)
+    unknown = sorted(set(entry) - required - optional)
+    if unknown:
+        raise BundleError(f"{where}.{unknown[0]}: unknown field", key, unknown[0])
+    missing = sorted(required - set(entry))
+    if missing:
+        raise BundleError(f"{where}.{missing[0]}: missing field", key, missing[0])
+
+
+def _mapping(doc: dict[str, Any], field: str) -> dict[str, Any]:
+    value = doc[field]
+    if not isinstance(value, dict):
+        raise BundleError(f"manifest {field}: expected an object, got {type(value).__name__}", field=field)
+    return value
+
+
+def _entries(doc: dict[str, Any], field: str) -> list[Any]:
+    value = doc.get(field, [])
+    if not isinstance(value, list):
+        raise BundleError(f"manifest {field}: expected a list, got {type(value).__name__}", field=field)
+    return value
+
+
+def _positive(entry: dict[str, Any], field: str, key: str) -> int:
+    value = entry[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise BundleError(f"{key}.{field}: expected a positive integer, got {value!r}", key, field)
+    return value
+
+
+def _string(entry: dict[str, Any], field: str, key: str | None) -> str:
+    value = entry[field]
+    if not isinstance(value, str) or not value:
+        raise BundleError(f"{key}.{field}: expected a non-empty string, got {value!r}", key, field)
+    return value
+
+
+def _inside(root: Path, rel: Any, key: str | None, field: str) -> Path:
+    """The file `rel` names inside the bundle; refuses absolute paths, `..` and symlinks out."""
+    where = f"{key}.{field}" if key else field
+    if not isinstance(rel, str) or not rel:
+        raise BundleError(f"{where}: expected a relative path, got {rel!r}", key, field)
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or rel.startswith("\\") or ".." in pure.parts or (len(rel) > 1 and rel[1] == ":"):
+        raise BundleError(f"{where}: path {rel!r} escapes the bundle", key, field)
+    path = root / pure
+    if not path.resolve().is_relative_to(root):
+        raise BundleError(f"{where}: path {rel!r} escapes the bundle (symlink to {path.resolve()})", key, field)
+    if not path.is_file():
+        raise BundleError(f"{where}: file {rel!r} not found in bundle {root}", key, field)
+    return path
+
+
+def _new_key(entry: dict[str, Any], seen: set[str], where: str) -> str:
+    if "key" not in entry:
+        raise BundleError(f"{where}.key: missing field", None, "key")
+    key = _string(entry, "key", None)
+    if key in seen:
+        raise BundleError(f"{key}.key: duplicate key (keys are unique across gemms, mhas and ops)", key, "key")
+    if "/" in key or "\\" in key or key in (".", ".."):
+        raise BundleError(f"{key}.key: a key may not contain path separators", key, "key")
+    seen.add(key)
+    return key
+
+
+def _load_xclbins(root: Path, table: dict[str, Any]) -> dict[str, XclbinEntry]:
+    out = {}
+    for name, entry in table.items():
+        _check_fields(entry, _XCLBIN_FIELDS, set(), name, f"xclbins.{name}")
+        path = _inside(root, entry["path"], name, "path")
+        out[name] = XclbinEntry(name, path, _string(entry, "kernel", name))
+    return out
+
+
+def _load_gemm(root: Path, entry: Any, xclbins: dict[str, XclbinEntry], seen: set[str]) -> GemmSpec:
+    if not isinstance(entry, dict):
+        raise BundleError(f"gemms: expected objects, got {type(entry).__name__}", field="gemms")
+    key = _new_key(entry, seen, "gemms[]")
+    _check_fields(entry, _GEMM_FIELDS, set(), key, key)
+    m, k, n, lda, b_bytes = (_positive(entry, f, key) for f in ("m", "k", "n", "lda", "b_bytes"))
+    ctx = _string(entry, "ctx", key)
+    if ctx not in xclbins:
+        raise BundleError(f"{key}.ctx: unknown context {ctx!r} (xclbins has {sorted(xclbins)})", key, "ctx")
+    spec = GemmSpec(key, ctx, m, k, n, lda, _inside(root, entry["insts"], key, "insts"), b_bytes,
+                    _string(entry, "b_layout", key))
+    _check_gemm_layout(spec)
+    return spec
+
+
+def _check_gemm_layout(g: GemmSpec) -> None:
+    try:
+        lay = g.layout
+    except ValueError as e:
+        raise BundleError(f"{g.key}.b_layout: {e}", g.key, "b_layout") from e
+    if lay.kind == "tiled" and (g.k % lay.kt or g.n % lay.nt):
+        raise BundleError(f"{g.key}.b_layout: {lay} does not tile K={g.k} x N={g.n}", g.key, "b_layout")
+    if lay.kind == "conv3x3":
+        try:
+            geom = ConvGeometry.of(g.k, g.lda, g.n)
+        except ValueError as e:
+            raise BundleError(f"{g.key}.lda: {e}", g.key, "lda") from e
+        if geom.p != lay.p:
+            raise BundleError(f"{g.key}.b_layout: {lay} but K={g.k}, lda={g.lda} give P={geom.p}", g.key, "b_layout")
+    elif g.lda != g.k:
+        raise BundleError(f"{g.key}.lda: {g.lda} != K={g.k} (only conv3x3 GEMMs overlap rows)", g.key, "lda")
+    if g.b_bytes != g.k * g.n * BF16_BYTES:
+        raise BundleError(f"{g.key}.b_bytes: {g.b_bytes} does not match {lay} for K={g.k} x N={g.n} "
+                          f"({g.k * g.n * BF16_BYTES} bytes of bf16)", g.key, "b_bytes")
+
+
+def _load_mha(root: Path, entry: Any, seen: set[str]) -> MhaSpec:
+    if not isinstance(entry, dict):
+        raise BundleError(f"mhas: expected objects, got {type(entry).__name__}", field="mhas")
+    key = _new_key(entry, seen, "mhas[]")
+    _check_fields(entry, _MHA_FIELDS, set(), key, key)
+    heads, seq, d, elems = (_positive(entry, f, key) for f in ("heads", "seq", "d", "elems"))
+    if elems != heads * seq * d:
+        raise BundleError(f"{key}.elems: {elems} != heads*seq*d = {heads * seq * d}", key, "elems")
+    return MhaSpec(key, heads, seq, d, elems, _inside(root, entry["xclbin"], key, "xclbin"),
+                   _inside(root, entry["insts"], key, "insts"), _string(entry, "name", key))
+
+
+def _load_op(root: Path, entry: Any, seen: set[str]) -> OpSpec:
+    if not isinstance(entry, dict):
+        raise BundleError(f"ops: expected objects, got {type(entry).__name__}", field="ops")
+    key = _new_key(entry, seen, "ops[]")
+    _check_fields(entry, _OP_FIELDS, _OP_OPTIONAL, key, key)
+    fn = _string(entry, "fn", key)
+    if fn not in ELEMENTWISE_FNS:
+        raise BundleError(f"{key}.fn: unknown function {fn!r} (expected one of {list(ELEMENTWISE_FNS)})", key, "fn")
+    elems = _positive(entry, "elems", key)
+    n = _op_length(entry, key, fn, elems)
+    return OpSpec(key, _inside(root, entry["xclbin"], key, "xclbin"), _inside(root, entry["insts"], key, "insts"),
+                  _string(entry, "name", key), fn, elems, n)
+
+
+def _op_length(entry: dict[str, Any], key: str, fn: str, elems: int) -> int | None:
+    if fn != "layernorm":
+        if "n" in entry:
+            raise BundleError(f"{key}.n: only layernorm takes a normalised length", key, "n")
+        return None
+    if "n" not in entry:
+        raise BundleError(f"{key}.n: missing field (layernorm needs its normalised length)", key, "n")
+    n = _positive(entry, "n", key)
+    if elems % n:
+        raise BundleError(f"{key}.n: elems {elems} is not a multiple of n={n}", key, "n")
+    return n

@@ -1,0 +1,740 @@
+"""The NPU layer: a bundle's kernels on a device, with the semantics of the seed's `npu.rs`.
+
+Every kernel of the bundle is loaded at open, in sorted key order, until the device has no room
+for another hardware context or `SAM3_MAX_CONTEXTS` is reached; the rest load on first use,
+evicting least-recently-used contexts (spec/sam3-bundle.md 7). Kernels naming the same xclbin
+share one context.
+
+A GEMM is compiled for `m` rows; a stage with more rows owns one A and one C buffer of the padded
+height and runs the kernel once per `m`-row chunk over sub-buffer views of them. Unlike the seed,
+a stage's chunks go to the device as command chains (ERT_CMD_CHAIN, about `ceil(chunks / 24)`
+EXEC_CMDs and one wait), and the command packets of an operand set are built once and reused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from amdxdna_direct import errors
+from amdxdna_direct.bo import FROM_DEVICE, Bo
+from amdxdna_direct.device import Device, open_device
+from amdxdna_direct.hwctx import HwContext
+from amdxdna_direct.kernel import RunList
+from amdxdna_direct.xclbin import Xclbin
+from sam3.bundle import Bundle, GemmSpec, MhaSpec, OpSpec
+from sam3.pack import BF16_BYTES, ConvGeometry, copy_wide, round_up, to_bf16
+
+ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
+EVICTION_POLICIES = ("lru", "drain")
+
+# GET_INFO-free identification of the NPU generation (spec/amdxdna-uapi.md 8): PCI id and revision.
+_PCI_GENERATIONS = {(0x1502, 0x00): "npu1", (0x17F0, 0x10): "npu4", (0x17F0, 0x11): "npu5", (0x17F0, 0x20): "npu6"}
+
+
+class NpuError(RuntimeError):
+    """A kernel could not be loaded or run; names the kernel `key` and, for a stage, the failing `chunk`."""
+
+    def __init__(self, message: str, key: str | None = None, chunk: int | None = None):
+        super().__init__(message)
+        self.key = key
+        self.chunk = chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# host <-> buffer copies
+
+
+def push(src: np.ndarray, bo: Bo, offset: int = 0) -> int:
+    """Copies `src` into `bo` at byte `offset` with wide parallel copies and syncs that range to the device.
+
+    Counts the bytes in the device's `stats["bytes_in"]` (as `Bo.write` does). Returns the byte count.
+
+    Raises:
+        ValueError: `src` does not fit.
+        XdnaError: SYNC_BO failed.
+    """
+    data = np.ascontiguousarray(src)
+    nbytes = data.nbytes
+    if nbytes == 0:
+        return 0
+    copy_wide(bo.array(np.uint8, nbytes, offset), data)
+    bo.sync(offset, nbytes)
+    bo.device.stats["bytes_in"] += nbytes
+    return nbytes
+
+
+def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndarray:
+    """The first `count` items of `dtype` of `bo` (synced from the device first), copied to host memory.
+
+    Raises:
+        ValueError: the range is outside the buffer.
+        XdnaError: SYNC_BO failed.
+    """
+    dt = np.dtype(dtype)
+    out = np.empty(count, dtype=dt)
+    if count == 0:
+        return out
+    bo.sync(offset, count * dt.itemsize, direction=FROM_DEVICE)
+    copy_wide(out, bo.array(dt, count, offset))
+    bo.device.stats["bytes_out"] += out.nbytes
+    return out
+
+
+def _bf16_bits(src: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of `src`: uint16 and bfloat16 arrays pass through, floats are rounded (RNE)."""
+    arr = np.asarray(src)
+    if arr.dtype == np.uint16:
+        return arr
+    if arr.dtype.name == "bfloat16":
+        return arr.view(np.uint16)
+    if arr.dtype.kind == "f":
+        return to_bf16(arr)
+    raise TypeError(f"expected bf16 bits (uint16), bfloat16 or float data, got {arr.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# operand sets
+
+
+class Io:
+    """A GEMM's operands for a row count: `a` (rows `lda` apart), `c`, and per-chunk views of both.
+
+    Keeps the prepared command of every chunk per weight buffer, so a repeated stage only submits.
+    """
+
+    def __init__(self, npu: Npu, spec: GemmSpec, a: Bo, c: Bo, chunks: list[tuple[Bo, Bo]], rows: int,
+                 chained_from: str | None = None):
+        self.npu = npu
+        self.key = spec.key
+        self.spec = spec
+        self.a = a
+        self.c = c
+        self.chunks = chunks
+        self.rows = rows
+        self.n = spec.n
+        self.chained_from = chained_from
+        self._runs: dict[int, tuple[Bo, int, Any]] = {}
+
+    @property
+    def chained(self) -> bool:
+        """Whether A is another kernel's C (device-produced; never written or synced from the host)."""
+        return self.chained_from is not None
+
+    def set_a(self, src: np.ndarray) -> int:
+        """Fills the start of A (bf16 bits, or floats rounded to bf16) and syncs it; returns bytes pushed.
+
+        Raises:
+            NpuError: A is chained (another kernel's output).
+            ValueError: `src` is larger than A.
+        """
+        if self.chained:
+            raise NpuError(f"{self.key}: A is {self.chained_from}'s C (chained); set_a would overwrite a "
+                           f"device result", self.key)
+        return push(_bf16_bits(src).reshape(-1), self.a)
+
+    def sync_a(self) -> None:
+        """Syncs all of A to the device.
+
+        Raises:
+            XdnaError: SYNC_BO failed.
+        """
+        self.a.sync()
+
+    def get_c(self, rows: int) -> np.ndarray:
+        """The first `rows` rows of C as bf16 bits, `[rows][n]`, copied out.
+
+        Raises:
+            ValueError: more rows than C holds.
+        """
+        if not 0 <= rows <= self.rows:
+            raise ValueError(f"{self.key}: get_c({rows}) outside C's {self.rows} rows")
+        return pull(self.c, rows * self.n).reshape(rows, self.n)
+
+    def prepared(self, kernel: Any, epoch: int, w: Bo, insts: bytes) -> Any:
+        """The stage's command unit for weights `w` on context incarnation `epoch`: one Run for a single
+        chunk, else a RunList of every chunk (built on first use, reused after)."""
+        entry = self._runs.get(id(w))
+        if entry is not None and entry[0] is w and entry[1] == epoch:
+            return entry[2]
+        unit = _unit(kernel, [kernel.prepare_npu(insts, [a, w, c]) for a, c in self.chunks])
+        for stale in [k for k, v in self._runs.items() if v[1] != epoch]:
+            _release(self._runs.pop(stale)[2])
+        self._runs[id(w)] = (w, epoch, unit)
+        return unit
+
+
+def _unit(kernel: Any, runs: list[Any]) -> Any:
+    return runs[0] if len(runs) == 1 else RunList(kernel.ctx, runs)
+
+
+def _release(unit: Any) -> None:
+    """Frees a stale command unit's packet buffers (its context is gone; nothing to report)."""
+    try:
+        unit.close()
+    except errors.XdnaError:
+        pass
+
+
+class MhaIo:
+    """q, k, v, o of an attention kernel, each `batch` items of `heads x seq x d` bf16 (one item per run)."""
+
+    def __init__(self, spec: MhaSpec, buffers: list[Bo], batch: int, item_bytes: int):
+        self.key = spec.key
+        self.spec = spec
+        self.batch = batch
+        self.q, self.k, self.v, self.o = buffers
+        self.items = [[b.sub(i * item_bytes, item_bytes) for b in buffers] for i in range(batch)]
+        self._runs: tuple[int, Any] | None = None
+
+    def set_qkv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
+        """Pushes q, k, v (`[batch][heads][seq][d]`, bf16 bits or floats); returns bytes pushed.
+
+        Raises:
+            ValueError: a tensor of the wrong size.
+        """
+        want = self.batch * self.spec.elems
+        total = 0
+        for name, src, bo in (("q", q, self.q), ("k", k, self.k), ("v", v, self.v)):
+            bits = _bf16_bits(src).reshape(-1)
+            if bits.size != want:
+                raise ValueError(f"{self.key}: {name} has {bits.size} elements, {want} expected")
+            total += push(bits, bo)
+        return total
+
+    def get_o(self) -> np.ndarray:
+        """o as bf16 bits, `[batch][heads][seq][d]`."""
+        s = self.spec
+        return pull(self.o, self.batch * s.elems).reshape(self.batch, s.heads, s.seq, s.d)
+
+    def prepared(self, kernel: Any, epoch: int, insts: bytes) -> Any:
+        """One command per item as one unit (Run or RunList), built once per context incarnation."""
+        if self._runs is None or self._runs[0] != epoch:
+            if self._runs is not None:
+                _release(self._runs[1])
+            self._runs = (epoch, _unit(kernel, [kernel.prepare_npu(insts, item) for item in self.items]))
+        return self._runs[1]
+
+
+@dataclass
+class Stage:
+    """What one stage cost: device commands, host copies and time (filled by `Npu.stage`)."""
+
+    name: str
+    kind: str
+    rows: int = 0
+    chunks: int = 0
+    exec_cmds: int = 0
+    waits: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    max_rel_err: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        """The stage as the demo's JSON object."""
+        return {"name": self.name, "kind": self.kind, "rows": self.rows, "chunks": self.chunks,
+                "exec_cmds": self.exec_cmds, "waits": self.waits, "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "seconds": self.seconds, "max_rel_err": self.max_rel_err}
+
+
+@dataclass
+class _Source:
+    key: str
+    ctx: str
+    xclbin: Path
+    name: str
+    insts: bytes
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def device_generation(device: Device) -> str:
+    """The NPU generation name of `device` ("npu1", "npu4", "npu5", "npu6").
+
+    An emulated device reports its profile; a real one is identified by the PCI id and revision
+    of the accel node's parent device (spec/amdxdna-uapi.md 8).
+
+    Raises:
+        NpuError: the generation cannot be determined.
+    """
+    emu = device.emulator
+    if emu is not None:
+        profile = getattr(emu, "profile", None)
+        name = getattr(profile, "name", profile)
+        if isinstance(name, str):
+            return name
+        raise NpuError(f"{device.name}: the emulator does not report its profile")
+    node = os.path.basename(device.name)
+    pci = Path("/sys/class/accel") / node / "device"
+    try:
+        ident = (int((pci / "device").read_text(), 16), int((pci / "revision").read_text(), 16))
+    except (OSError, ValueError) as e:
+        raise NpuError(f"{device.name}: cannot read the PCI id under {pci}: {e}") from e
+    if ident not in _PCI_GENERATIONS:
+        raise NpuError(f"{device.name}: unknown NPU PCI id {ident[0]:04x} rev {ident[1]:02x}")
+    return _PCI_GENERATIONS[ident]
+
+
+def _max_contexts(value: int | None) -> int | None:
+    if value is None:
+        text = os.environ.get(ENV_MAX_CONTEXTS, "").strip()
+        if not text:
+            return None
+        if not text.isdigit():
+            raise ValueError(f"{ENV_MAX_CONTEXTS}={text!r}: expected a positive integer")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_contexts must be a positive integer, got {value!r}")
+    return value
+
+
+class Npu:
+    """A bundle's kernels on a device (real or emulated), with resident-context LRU and eviction.
+
+    Args:
+        bundle: a loaded `Bundle` or a bundle directory.
+        device: an open `Device`, or anything `open_device` accepts ("emu", "/dev/accel/accel0",
+            an EmuDevice, None for the default device); a device opened here is closed by `close`.
+        max_contexts: at most this many resident contexts (default: env `SAM3_MAX_CONTEXTS`, else as
+            many as the driver grants).
+        evict: "lru" drops least-recently-used contexts one at a time until a new one fits; "drain"
+            destroys every resident context before loading one that does not fit (the Phoenix
+            firmware workaround of spec/xrt-npu-sequence.md 1.9).
+        timeout: seconds to wait for a stage (None: forever).
+
+    Raises:
+        BundleError: the bundle targets another NPU generation (or is invalid).
+        NpuError: a kernel failed to load for another reason than "no room".
+        ValueError: bad `max_contexts` / `evict`.
+    """
+
+    def __init__(self, bundle: Bundle | str | os.PathLike, device: Any = None, *, max_contexts: int | None = None,
+                 evict: str = "lru", timeout: float | None = None):
+        if evict not in EVICTION_POLICIES:
+            raise ValueError(f"evict must be one of {EVICTION_POLICIES}, got {evict!r}")
+        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+        self.cap = _max_contexts(max_contexts)
+        self.evict = evict
+        self.timeout = timeout
+        self._owns_device = not isinstance(device, Device)
+        self.device = device if isinstance(device, Device) else open_device(device)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        self.generation = device_generation(self.device)
+        self.bundle.check_target(self.generation)
+        self.gemms: dict[str, GemmSpec] = dict(self.bundle.gemms)
+        self.mhas: dict[str, MhaSpec] = dict(self.bundle.mhas)
+        self.ops: dict[str, OpSpec] = dict(self.bundle.ops)
+        self._sources = {key: self._source(key) for key in self.bundle.keys()}
+        self._xclbins: dict[str, Any] = {}
+        self._contexts: dict[str, HwContext] = {}
+        self._kernels: dict[str, Any] = {}
+        self._epochs: Counter[str] = Counter()
+        self._arg_runs: dict[tuple[str, tuple[int, ...]], tuple[list[Bo], int, Any]] = {}
+        self.lru: list[str] = []
+        self.loads = 0
+        self.evictions = 0
+        self.waits = 0
+        self.stages: list[Stage] = []
+        if self.device.emulator is not None:
+            self._bind_models()
+        self._preload()
+
+    def _source(self, key: str) -> _Source:
+        k = self.bundle.kernel(key)
+        return _Source(key, k.ctx, k.xclbin, k.name, k.insts.read_bytes())
+
+    # -- emulator models (spec/sam3-bundle.md 8) ----------------------------------------------
+
+    def _bind_models(self) -> None:
+        """Tells the emulated firmware what each instruction stream computes, from its manifest entry."""
+        from amdxdna_direct.emu.models import Elementwise, Gemm, Mha
+
+        registry = self.device.emulator.models
+        for key, src in self._sources.items():
+            if key in self.gemms:
+                g = self.gemms[key]
+                model = Gemm(g.m, g.k, g.n, g.lda, g.b_layout)
+            elif key in self.mhas:
+                h = self.mhas[key]
+                model = Mha(h.heads, h.seq, h.d)
+            else:
+                o = self.ops[key]
+                model = Elementwise(o.fn, o.elems, n=o.n)
+            self._bind(registry, key, src.insts, model)
+
+    @staticmethod
+    def _bind(registry: Any, key: str, stream: bytes, model: Any) -> None:
+        from amdxdna_direct.emu.models import stream_digest
+
+        bound = registry.lookup(stream_digest(stream))
+        if bound is not None and repr(bound) == repr(model):
+            return  # the same computation, bound by another key or another Npu on this device
+        try:
+            registry.bind(stream, model)
+        except ValueError as e:
+            raise NpuError(f"{key}: its instruction stream is bound to another computation: {e}", key) from e
+
+    # -- contexts ----------------------------------------------------------------------------
+
+    def _preload(self) -> None:
+        for key in self.bundle.keys():
+            ctx = self._sources[key].ctx
+            if ctx not in self.lru and self.cap is not None and len(self.lru) >= self.cap:
+                break
+            try:
+                self._try_load(key)
+            except errors.ContextUnavailableError:
+                break
+            except errors.XdnaError as e:
+                raise NpuError(f"loading {key}: {e}", key) from e
+
+    def _try_load(self, key: str) -> None:
+        src = self._sources[key]
+        if src.ctx not in self._contexts:
+            if src.ctx not in self._xclbins:
+                self._xclbins[src.ctx] = Xclbin.load(src.xclbin)
+            self._contexts[src.ctx] = self.device.hw_context(self._xclbins[src.ctx], kernel=src.name)
+            self._epochs[src.ctx] += 1
+            self.lru.append(src.ctx)
+            self.loads += 1
+        self._kernels[key] = self._contexts[src.ctx].kernel(src.name)
+
+    def _kernel(self, key: str) -> tuple[Any, _Source, int]:
+        """Kernel `key`, loaded if not resident (evicting while the device has no room); marks it used."""
+        src = self._sources.get(key)
+        if src is None:
+            raise NpuError(f"no kernel {key!r} in bundle {self.bundle.root}", key)
+        if key not in self._kernels:
+            while src.ctx not in self.lru and self.cap is not None and len(self.lru) >= self.cap:
+                self._make_room(src.ctx)
+            self._load_evicting(key, src)
+        self.lru.remove(src.ctx)
+        self.lru.append(src.ctx)
+        return self._kernels[key], src, self._epochs[src.ctx]
+
+    def _load_evicting(self, key: str, src: _Source) -> None:
+        while True:
+            try:
+                self._try_load(key)
+                return
+            except errors.ContextUnavailableError as e:
+                if not self._make_room(src.ctx):
+                    raise NpuError(f"{key}: no hardware context available: {e}", key) from e
+            except errors.XdnaError as e:
+                raise NpuError(f"loading {key}: {e}", key) from e
+
+    def _make_room(self, keep: str) -> bool:
+        """Evicts the LRU context other than `keep` ("drain": all of them); False if there is none."""
+        victims = [c for c in self.lru if c != keep]
+        if not victims:
+            return False
+        for victim in victims if self.evict == "drain" else victims[:1]:
+            self._evict(victim)
+        return True
+
+    def _evict(self, ctx: str) -> None:
+        self.lru.remove(ctx)
+        for key in [k for k in self._kernels if self._sources[k].ctx == ctx]:
+            del self._kernels[key]
+        self._arg_runs = {k: v for k, v in self._arg_runs.items() if self._sources[k[0]].ctx != ctx}
+        self.evictions += 1
+        self._contexts.pop(ctx).close()
+
+    @property
+    def resident(self) -> list[str]:
+        """Resident contexts (xclbin paths), least recently used first."""
+        return list(self.lru)
+
+    # -- buffers -----------------------------------------------------------------------------
+
+    def spec(self, key: str) -> GemmSpec:
+        """The GEMM `key`.
+
+        Raises:
+            NpuError: no such GEMM.
+        """
+        if key not in self.gemms:
+            raise NpuError(f"no GEMM {key!r} in bundle {self.bundle.root}", key)
+        return self.gemms[key]
+
+    def upload(self, data: bytes | np.ndarray) -> Bo:
+        """A device buffer holding `data` (packed weights), synced.
+
+        Raises:
+            XdnaError: allocation or sync failed.
+        """
+        arr = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else np.asarray(data)
+        bo = self.device.bo(max(arr.nbytes, 1))
+        push(arr, bo)
+        return bo
+
+    def weight_slot(self, key: str) -> Bo:
+        """A buffer sized for GEMM `key`'s packed B, to be filled per forward."""
+        return self.device.bo(self.spec(key).b_bytes)
+
+    def weights(self, key: str) -> Bo:
+        """GEMM `key`'s packed B from the bundle (`weights/<key>.bin`), uploaded.
+
+        Raises:
+            NpuError: the bundle ships no weights for `key`.
+        """
+        path = self.bundle.weights(self.spec(key).key)
+        if path is None:
+            raise NpuError(f"{key}: bundle {self.bundle.root} ships no weights/{key}.bin", key)
+        return self.upload(path.read_bytes())
+
+    def io(self, key: str, rows: int) -> Io:
+        """Operands of GEMM `key` for `rows` rows (plain row-major A, `lda == k`), padded to a multiple of m.
+
+        Raises:
+            NpuError: `key` is a convolution GEMM (use `conv_io`) or unknown.
+            ValueError: `rows` is not positive.
+        """
+        g = self.spec(key)
+        if g.lda != g.k:
+            raise NpuError(f"{key}: overlapping A (lda {g.lda} != k {g.k}), use conv_io", key)
+        if rows <= 0:
+            raise ValueError(f"{key}: rows must be positive, got {rows}")
+        rows = round_up(rows, g.m)
+        a = self.device.bo(rows * g.k * BF16_BYTES)
+        c = self.device.bo(rows * g.n * BF16_BYTES)
+        a_step, c_step = g.m * g.k * BF16_BYTES, g.m * g.n * BF16_BYTES
+        chunks = [(a.sub(i * a_step, a_step), c.sub(i * c_step, c_step)) for i in range(rows // g.m)]
+        return Io(self, g, a, c, chunks, rows)
+
+    def io_chained(self, key: str, src: Io) -> Io:
+        """Operands of GEMM `key` whose A is `src`'s C, read in place (spec 3).
+
+        Raises:
+            NpuError: `src.n != k`, or `src`'s rows are not a multiple of `key`'s m.
+        """
+        g = self.spec(key)
+        if src.n != g.k:
+            raise NpuError(f"{key}: A width {src.n} (C of {src.key}) != K {g.k}", key)
+        if src.rows % g.m:
+            raise NpuError(f"{key}: {src.rows} rows of {src.key} are not a multiple of m={g.m}", key)
+        a = src.c.sub(0, src.rows * g.k * BF16_BYTES)
+        c = self.device.bo(src.rows * g.n * BF16_BYTES)
+        a_step, c_step = g.m * g.k * BF16_BYTES, g.m * g.n * BF16_BYTES
+        chunks = [(src.c.sub(i * a_step, a_step), c.sub(i * c_step, c_step)) for i in range(src.rows // g.m)]
+        return Io(self, g, a, c, chunks, src.rows, chained_from=src.key)
+
+    def conv_io(self, key: str, h: int, w: int) -> Io:
+        """Operands of the overlapping-row 3x3 convolution `key` for an `h x w` map (spec 4).
+
+        A is Y (`(rows*P + 2) x D`); each chunk's A view starts `i*m*lda` elements in and reaches
+        `(m-1)*lda + K` elements.
+
+        Raises:
+            NpuError: `key` is not a conv3x3 GEMM.
+            ValueError: `h` or `w` not positive.
+        """
+        g = self.spec(key)
+        geom = g.conv
+        if geom is None:
+            raise NpuError(f"{key}: b_layout {g.b_layout} is not a 3x3 convolution, use io", key)
+        if h <= 0 or w <= 0:
+            raise ValueError(f"{key}: map size {h}x{w} must be positive")
+        rows = geom.rows(h, w, g.m)
+        a = self.device.bo(geom.y_elems(rows) * BF16_BYTES)
+        c = self.device.bo(rows * g.n * BF16_BYTES)
+        ext = ((g.m - 1) * g.lda + g.k) * BF16_BYTES
+        a_step, c_step = g.m * g.lda * BF16_BYTES, g.m * g.n * BF16_BYTES
+        chunks = [(a.sub(i * a_step, ext), c.sub(i * c_step, c_step)) for i in range(rows // g.m)]
+        return Io(self, g, a, c, chunks, rows)
+
+    def conv_geometry(self, key: str) -> ConvGeometry:
+        """D, P, Cout of conv GEMM `key`.
+
+        Raises:
+            NpuError: not a conv GEMM.
+        """
+        geom = self.spec(key).conv
+        if geom is None:
+            raise NpuError(f"{key}: not a 3x3 convolution GEMM", key)
+        return geom
+
+    def mha_io(self, key: str, batch: int = 1) -> MhaIo:
+        """q, k, v, o buffers of attention `key` for `batch` independent items (windows).
+
+        Raises:
+            NpuError: no such attention kernel.
+            ValueError: `batch` not positive.
+        """
+        if key not in self.mhas:
+            raise NpuError(f"no MHA {key!r} in bundle {self.bundle.root}", key)
+        if batch <= 0:
+            raise ValueError(f"{key}: batch must be positive, got {batch}")
+        item = self.mhas[key].elems * BF16_BYTES
+        return MhaIo(self.mhas[key], [self.device.bo(batch * item) for _ in range(4)], batch, item)
+
+    def push(self, src: np.ndarray, bo: Bo, offset: int = 0) -> int:
+        """`push` (module function) on this NPU's device."""
+        return push(src, bo, offset)
+
+    def pull(self, bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndarray:
+        """`pull` (module function) on this NPU's device."""
+        return pull(bo, count, dtype, offset)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def prepare(self, io: Io, w: Bo) -> None:
+        """Loads `io`'s kernel and builds its command unit for weights `w` ahead of `run` (uploads the
+        instruction stream once per context, so a measured stage moves only its data).
+
+        Raises:
+            NpuError: loading failed.
+        """
+        kernel, src, epoch = self._kernel(io.key)
+        self._guard(io.key, lambda: io.prepared(kernel, epoch, w, src.insts))
+
+    def prepare_mha(self, m: MhaIo) -> None:
+        """`prepare` for an attention operand set.
+
+        Raises:
+            NpuError: loading failed.
+        """
+        kernel, src, epoch = self._kernel(m.key)
+        self._guard(m.key, lambda: m.prepared(kernel, epoch, src.insts))
+
+    def prepare_args(self, key: str, args: Sequence[Bo]) -> None:
+        """`prepare` for `run_args`.
+
+        Raises:
+            NpuError: loading failed.
+        """
+        self._guard(key, lambda: self._args_unit(key, args))
+
+    @staticmethod
+    def _guard(key: str, build: Any) -> Any:
+        try:
+            return build()
+        except errors.XdnaError as e:
+            raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
+
+    def run(self, io: Io, w: Bo) -> float:
+        """Runs `io`'s kernel over every chunk with weights `w` (A must be synced); returns seconds.
+
+        Raises:
+            NpuError: loading failed or a chunk failed (naming the key and the chunk index).
+        """
+        kernel, src, epoch = self._kernel(io.key)
+        unit = self._guard(io.key, lambda: io.prepared(kernel, epoch, w, src.insts))
+        return self._execute(io.key, unit, len(io.chunks))
+
+    def run_synced(self, io: Io, w: Bo) -> float:
+        """`run` with A synced first, unless A is another kernel's output (a sync would push the host's
+        stale copy over it, spec 3).
+
+        Raises:
+            NpuError: as `run`.
+        """
+        if not io.chained:
+            io.sync_a()
+        return self.run(io, w)
+
+    def run_args(self, key: str, args: Sequence[Bo]) -> float:
+        """Runs kernel `key` once over `args` (its argument order), none synced; returns seconds.
+
+        Raises:
+            NpuError: loading or the run failed.
+        """
+        return self._execute(key, self._guard(key, lambda: self._args_unit(key, args)), 1)
+
+    def _args_unit(self, key: str, args: Sequence[Bo]) -> Any:
+        kernel, src, epoch = self._kernel(key)
+        ident = (key, tuple(id(b) for b in args))
+        entry = self._arg_runs.get(ident)
+        if entry is None or entry[1] != epoch or any(x is not y for x, y in zip(entry[0], args, strict=True)):
+            entry = (list(args), epoch, kernel.prepare_npu(src.insts, list(args)))
+            self._arg_runs[ident] = entry
+        return entry[2]
+
+    def run_mha(self, m: MhaIo) -> float:
+        """Runs attention over q/k/v already pushed, every batch item in one chain; returns seconds.
+
+        Raises:
+            NpuError: loading or a run failed (naming the item as the chunk).
+        """
+        kernel, src, epoch = self._kernel(m.key)
+        unit = self._guard(m.key, lambda: m.prepared(kernel, epoch, src.insts))
+        return self._execute(m.key, unit, m.batch)
+
+    def _execute(self, key: str, unit: Any, chunks: int) -> float:
+        """Submits a stage's command unit (a Run, or a RunList whose chains the runtime splits at 24
+        sub-commands) and waits once."""
+        start = time.perf_counter()
+        try:
+            unit.start()
+        except errors.XdnaError as e:
+            raise NpuError(f"{key}: submitting {chunks} chunk(s) failed: {e}", key) from e
+        self.waits += 1
+        try:
+            unit.wait(self.timeout)
+        except errors.CommandError as e:
+            chunk = e.index or 0
+            raise NpuError(f"{key}: chunk {chunk} of {chunks} failed: {e}", key, chunk) from e
+        except errors.XdnaError as e:
+            raise NpuError(f"{key}: waiting for {chunks} chunk(s) failed: {e}", key) from e
+        return time.perf_counter() - start
+
+    # -- accounting --------------------------------------------------------------------------
+
+    @contextmanager
+    def stage(self, name: str, kind: str, rows: int = 0, chunks: int = 0) -> Iterator[Stage]:
+        """Measures what the body costs (EXEC_CMDs, waits, bytes in/out, wall time) into a `Stage`,
+        appended to `stages` when the body ends without error."""
+        record = Stage(name, kind, rows, chunks)
+        before, waits, start = Counter(self.device.stats), self.waits, time.perf_counter()
+        yield record
+        after = self.device.stats
+        record.seconds = time.perf_counter() - start
+        record.exec_cmds = after["EXEC_CMD"] - before["EXEC_CMD"]
+        record.waits = self.waits - waits
+        record.bytes_in = after["bytes_in"] - before["bytes_in"]
+        record.bytes_out = after["bytes_out"] - before["bytes_out"]
+        self.stages.append(record)
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroys the resident contexts and, if this object opened the device, closes it.
+
+        Raises:
+            XdnaError: a release ioctl failed (everything else was still released).
+        """
+        contexts = getattr(self, "_contexts", {})
+        first: BaseException | None = None
+        for ctx in list(contexts):
+            try:
+                contexts.pop(ctx).close()
+            except errors.XdnaError as e:
+                first = first or e
+        if self._owns_device:
+            self.device.close()
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> Npu:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,129 @@
+"""Shared fixtures: the ``device`` under test, the shared fixture files, a recording seam.
+
+``device`` is always the emulator (``emu:npu1``, the generation of the mlir-aie npu1_1col fixture);
+with ``AMDXDNA_TEST_DEVICE=/dev/accel/accel0`` the same tests also run on that real device. Tests that
+need the emulator itself (models, fault injection, counters) are marked ``emu_only`` and skipped there.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
+EMU_SPEC = "emu:npu1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "emu_only: needs the emulator itself (models, faults, counters)")
+
+
+def _device_specs() -> list[str]:
+    specs = [EMU_SPEC]
+    real = os.environ.get("AMDXDNA_TEST_DEVICE")
+    if real:
+        specs.append(real)
+    return specs
+
+
+@pytest.fixture(params=_device_specs())
+def device(request: pytest.FixtureRequest):
+    """An open Device: the emulator, and a real NPU when AMDXDNA_TEST_DEVICE names one."""
+    from amdxdna_direct import open_device
+
+    spec = request.param
+    if not spec.startswith("emu") and request.node.get_closest_marker("emu_only"):
+        pytest.skip("needs the emulator (models, fault injection or counters)")
+    dev = open_device(spec)
+    yield dev
+    dev.close()
+
+
+@pytest.fixture
+def npu1_fixture() -> Path:
+    """The mlir-aie npu1_1col fixture directory (aie.xclbin, insts.bin, JSON inputs)."""
+    if not (NPU1_1COL / "aie.xclbin").is_file():
+        pytest.skip(f"shared fixtures not found at {NPU1_1COL}")
+    return NPU1_1COL
+
+
+def txn_dev_gen(dev) -> int:
+    """TXN header device generation for a device: 3 on NPU1 (5 columns), 4 on NPU4/5/6 (spec 2.3, 4)."""
+    return 3 if dev.aie_metadata().cols == 5 else 4
+
+
+class RecordingSeam:
+    """Wraps a seam and records every call in order: ("ioctl", request, bytes in) / ("mmap", ...) ...
+
+    Lets tests check the exact syscall sequence and decode struct bytes independently of abi.py.
+    ``inject`` maps a request number to a function(buf) -> errno or None, to provoke driver answers.
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.calls: list[tuple] = []
+        self.inject: dict[int, object] = {}
+
+    def ioctl(self, request: int, buf) -> int:
+        self.calls.append(("ioctl", request, bytes(buf)))
+        hook = self.inject.get(request)
+        if hook is not None:
+            err = hook(buf)
+            if err:
+                raise OSError(err, os.strerror(err))
+        return self.inner.ioctl(request, buf)
+
+    def mmap(self, length: int, offset: int, addr: int = 0) -> int:
+        result = self.inner.mmap(length, offset, addr)
+        self.calls.append(("mmap", length, offset, addr, result))
+        return result
+
+    def reserve(self, length: int, alignment: int) -> int:
+        result = self.inner.reserve(length, alignment)
+        self.calls.append(("reserve", length, alignment, result))
+        return result
+
+    def munmap(self, addr: int, length: int) -> None:
+        self.calls.append(("munmap", addr, length))
+        self.inner.munmap(addr, length)
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+        self.inner.close()
+
+    def names(self) -> list[str]:
+        """The calls as names: ioctl short names (from the request nr) and mmap/munmap/reserve/close."""
+        return [IOCTL_NAMES.get(c[1] & 0xFF, hex(c[1])) if c[0] == "ioctl" else c[0] for c in self.calls]
+
+    def ioctls(self) -> list[str]:
+        """Only the ioctl names, in order."""
+        return [IOCTL_NAMES.get(c[1] & 0xFF, hex(c[1])) for c in self.calls if c[0] == "ioctl"]
+
+
+# Request nr -> name, from spec amdxdna-uapi.md 1a and 5 (independent of abi.py).
+IOCTL_NAMES = {0x40: "CREATE_HWCTX", 0x41: "DESTROY_HWCTX", 0x42: "CONFIG_HWCTX", 0x43: "CREATE_BO",
+               0x44: "GET_BO_INFO", 0x45: "SYNC_BO", 0x46: "EXEC_CMD", 0x47: "GET_INFO", 0x48: "SET_STATE",
+               0x49: "WAIT_CMD", 0x4A: "GET_ARRAY", 0x00: "VERSION", 0x09: "GEM_CLOSE", 0xBF: "SYNCOBJ_CREATE",
+               0xC0: "SYNCOBJ_DESTROY", 0xCA: "SYNCOBJ_TIMELINE_WAIT"}
+
+# Struct formats from spec amdxdna-uapi.md 2 (x86_64), for decoding recorded calls.
+CREATE_BO = struct.Struct("<QQQII")          # flags vaddr size type handle
+SYNC_BO = struct.Struct("<IIQQ")             # handle direction offset size
+CREATE_HWCTX = struct.Struct("<QQQ8I")       # ext ext_flags qos_p umq_bo log_buf_bo max_opc num_tiles mem_size ...
+EXEC_CMD = struct.Struct("<QQIIQQIIQ")       # ext ext_flags hwctx type cmd_handles args cmd_count arg_count seq
+TIMELINE_WAIT = struct.Struct("<QQqIIII")    # handles points timeout_nsec count_handles flags first_signaled pad
+
+
+def emu_open(profile: str = "npu1", **options):
+    """A Device on a fresh EmuDevice wrapped in a RecordingSeam; returns (device, emulator, seam)."""
+    from amdxdna_direct import Device
+    from amdxdna_direct.emu import EmuDevice
+
+    emu = EmuDevice(profile, **options)
+    seam = RecordingSeam(emu.open())
+    return Device(seam, emulator=emu, owns_emulator=True), emu, seam

@@ -1,0 +1,259 @@
+"""Raw-ioctl helpers for the emulator tests.
+
+Structs are packed by hand with ``struct`` from `spec/abi-facts-amdxdna.txt` and `abi-facts-drm.txt`
+(little-endian x86_64 layouts), request numbers are built from the `_IOC` bit layout of
+`spec/amdxdna-uapi.md` section 1, and user memory is plain ctypes memory whose address goes into the
+structs as a user pointer. Nothing here goes through `amdxdna_direct.abi`: the tests must check the
+emulator against the ABI facts, not against the binding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+from dataclasses import dataclass
+
+# _IOC layout (asm-generic/ioctl.h): nr bits 7:0, type 15:8, size 29:16, dir 31:30.
+IOC_NRSHIFT = 0
+IOC_TYPESHIFT = 8
+IOC_SIZESHIFT = 16
+IOC_DIRSHIFT = 30
+IOC_WRITE = 1
+IOC_READ = 2
+DRM_IOCTL_BASE = ord("d")
+DRM_COMMAND_BASE = 0x40
+
+# Struct formats (offsets from the ABI facts; "x" pads where the C struct has padding).
+FMT = {
+    "qos_info": "<6I",                      # gops fps dma_bandwidth latency frame_exec_time priority
+    "create_hwctx": "<QQQ8I",               # ext ext_flags qos_p umq_bo log_buf_bo max_opc num_tiles
+                                            # mem_size umq_doorbell handle syncobj_handle
+    "destroy_hwctx": "<II",                 # handle pad
+    "config_hwctx": "<IIQII",               # handle param_type param_val param_val_size pad
+    "create_bo": "<QQQII",                  # flags vaddr size type handle
+    "get_bo_info": "<QQIIQQQ",              # ext ext_flags handle pad map_offset vaddr xdna_addr
+    "sync_bo": "<IIQQ",                     # handle direction offset size
+    "exec_cmd": "<QQIIQQIIQ",               # ext ext_flags hwctx type cmd_handles args cmd_count arg_count seq
+    "wait_cmd": "<IIQ",                     # hwctx timeout seq
+    "get_info": "<IIQ",                     # param buffer_size buffer
+    "get_array": "<IIIIQ",                  # param element_size num_element pad buffer
+    "set_state": "<IIQ",                    # param buffer_size buffer
+    "drm_version": "<iii4xQQQQQQ",          # major minor patchlevel name_len name date_len date desc_len desc
+    "gem_close": "<II",                     # handle pad
+    "get_cap": "<QQ",                       # capability value
+    "syncobj_create": "<II",                # handle flags
+    "syncobj_destroy": "<II",               # handle pad
+    "syncobj_wait": "<QqIII4x",             # handles timeout_nsec count_handles flags first_signaled
+    "syncobj_timeline_wait": "<QQqIII4x",   # handles points timeout_nsec count_handles flags first_signaled
+    "syncobj_timeline_array": "<QQII",      # handles points count_handles flags
+    "syncobj_array": "<QII",                # handles count_handles pad
+    "prime_handle": "<IIi",                 # handle flags fd
+}
+
+IOWR = IOC_READ | IOC_WRITE
+IOW = IOC_WRITE
+
+# name -> (direction, nr, struct key)
+REQUESTS = {
+    "CREATE_HWCTX": (IOWR, DRM_COMMAND_BASE + 0, "create_hwctx"),
+    "DESTROY_HWCTX": (IOWR, DRM_COMMAND_BASE + 1, "destroy_hwctx"),
+    "CONFIG_HWCTX": (IOWR, DRM_COMMAND_BASE + 2, "config_hwctx"),
+    "CREATE_BO": (IOWR, DRM_COMMAND_BASE + 3, "create_bo"),
+    "GET_BO_INFO": (IOWR, DRM_COMMAND_BASE + 4, "get_bo_info"),
+    "SYNC_BO": (IOWR, DRM_COMMAND_BASE + 5, "sync_bo"),
+    "EXEC_CMD": (IOWR, DRM_COMMAND_BASE + 6, "exec_cmd"),
+    "GET_INFO": (IOWR, DRM_COMMAND_BASE + 7, "get_info"),
+    "SET_STATE": (IOWR, DRM_COMMAND_BASE + 8, "set_state"),
+    "WAIT_CMD": (IOW, DRM_COMMAND_BASE + 9, "wait_cmd"),
+    "GET_ARRAY": (IOWR, DRM_COMMAND_BASE + 10, "get_array"),
+    "VERSION": (IOWR, 0x00, "drm_version"),
+    "GEM_CLOSE": (IOW, 0x09, "gem_close"),
+    "GET_CAP": (IOWR, 0x0C, "get_cap"),
+    "PRIME_HANDLE_TO_FD": (IOWR, 0x2D, "prime_handle"),
+    "PRIME_FD_TO_HANDLE": (IOWR, 0x2E, "prime_handle"),
+    "SYNCOBJ_CREATE": (IOWR, 0xBF, "syncobj_create"),
+    "SYNCOBJ_DESTROY": (IOWR, 0xC0, "syncobj_destroy"),
+    "SYNCOBJ_WAIT": (IOWR, 0xC3, "syncobj_wait"),
+    "SYNCOBJ_RESET": (IOWR, 0xC4, "syncobj_array"),
+    "SYNCOBJ_SIGNAL": (IOWR, 0xC5, "syncobj_array"),
+    "SYNCOBJ_TIMELINE_WAIT": (IOWR, 0xCA, "syncobj_timeline_wait"),
+    "SYNCOBJ_QUERY": (IOWR, 0xCB, "syncobj_timeline_array"),
+    "SYNCOBJ_TIMELINE_SIGNAL": (IOWR, 0xCD, "syncobj_timeline_array"),
+}
+
+# Enum values (spec/amdxdna-uapi.md section 3).
+BO_SHMEM, BO_DEV_HEAP, BO_DEV, BO_CMD = 1, 2, 3, 4
+CONFIG_CU, ASSIGN_DBG_BUF, REMOVE_DBG_BUF = 0, 1, 2
+INVALID_ADDR = (1 << 64) - 1
+HEAP_BASE = 0x4000000
+PAGE = 4096
+WAIT_ALL, WAIT_FOR_SUBMIT = 1, 2
+# ERT command header (spec section 6.1) and states.
+ERT_START_CU, ERT_CMD_CHAIN, ERT_START_NPU = 0, 19, 20
+ERT_STATE_NEW, ERT_STATE_COMPLETED, ERT_STATE_ERROR, ERT_STATE_ABORT, ERT_STATE_TIMEOUT = 1, 4, 5, 6, 8
+
+
+def ioc(direction: int, nr: int, size: int, type_byte: int = DRM_IOCTL_BASE) -> int:
+    """Build an ioctl request number from its fields."""
+    return (direction << IOC_DIRSHIFT) | (size << IOC_SIZESHIFT) | (type_byte << IOC_TYPESHIFT) | (nr << IOC_NRSHIFT)
+
+
+def request(name: str) -> int:
+    """Request number of a named ioctl (size from the struct format)."""
+    direction, nr, key = REQUESTS[name]
+    return ioc(direction, nr, struct.calcsize(FMT[key]))
+
+
+def pack(key: str, *values) -> bytearray:
+    """Pack a struct into a fresh writable buffer."""
+    return bytearray(struct.pack(FMT[key], *values))
+
+
+def unpack(key: str, buf) -> tuple:
+    """Unpack a struct from a buffer (extra tail bytes ignored)."""
+    return struct.unpack_from(FMT[key], buf)
+
+
+def call(seam, name: str, *values) -> tuple:
+    """Pack `values`, run the ioctl and return the unpacked result (raises OSError like the seam)."""
+    buf = pack(REQUESTS[name][2], *values)
+    seam.ioctl(request(name), buf)
+    return unpack(REQUESTS[name][2], buf)
+
+
+class UserMem:
+    """A block of process memory whose address is passed to the driver as a user pointer."""
+
+    def __init__(self, data: bytes | int):
+        size = data if isinstance(data, int) else len(data)
+        self._buf = ctypes.create_string_buffer(max(size, 1))
+        self.size = size
+        if not isinstance(data, int):
+            ctypes.memmove(self._buf, data, size)
+
+    @property
+    def addr(self) -> int:
+        return ctypes.addressof(self._buf)
+
+    def read(self, offset: int = 0, length: int | None = None) -> bytes:
+        length = self.size - offset if length is None else length
+        return ctypes.string_at(self.addr + offset, length)
+
+    def write(self, data: bytes, offset: int = 0) -> None:
+        ctypes.memmove(self.addr + offset, data, len(data))
+
+
+def read_addr(addr: int, length: int) -> bytes:
+    """Read `length` bytes at a process address (for example a BO mapping)."""
+    return ctypes.string_at(addr, length)
+
+
+def write_addr(addr: int, data: bytes) -> None:
+    """Write bytes at a process address (for example a BO mapping)."""
+    ctypes.memmove(addr, data, len(data))
+
+
+def monotonic_ns() -> int:
+    """CLOCK_MONOTONIC now, the clock of DRM syncobj absolute timeouts."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+@dataclass
+class BoInfo:
+    map_offset: int
+    vaddr: int
+    xdna_addr: int
+
+
+class Raw:
+    """Thin wrappers over one seam for the common sequences (each is one ioctl unless said)."""
+
+    def __init__(self, seam):
+        self.seam = seam
+        self.keep: list[UserMem] = []   # user memory that must outlive the call that passed it
+
+    def create_bo(self, size: int, bo_type: int, flags: int = 0) -> int:
+        return call(self.seam, "CREATE_BO", flags, 0, size, bo_type, 0)[4]
+
+    def bo_info(self, handle: int) -> BoInfo:
+        values = call(self.seam, "GET_BO_INFO", 0, 0, handle, 0, 0, 0, 0)
+        return BoInfo(values[4], values[5], values[6])
+
+    def map_bo(self, handle: int, length: int, addr: int = 0) -> int:
+        """GET_BO_INFO + mmap at its map_offset; returns the address."""
+        return self.seam.mmap(length, self.bo_info(handle).map_offset, addr)
+
+    def shmem(self, size: int, bo_type: int = BO_SHMEM) -> tuple[int, int]:
+        """A mapped SHMEM (or CMD) BO: (handle, address)."""
+        handle = self.create_bo(size, bo_type)
+        return handle, self.map_bo(handle, size)
+
+    def heap(self, size: int = 64 << 20) -> tuple[int, int]:
+        """DEV_HEAP created and mapped at a 64 MiB-aligned reservation, as XRT does: (handle, address)."""
+        handle = self.create_bo(size, BO_DEV_HEAP)
+        base = self.seam.reserve(size, 64 << 20)
+        return handle, self.map_bo(handle, size, base)
+
+    def dev_bo(self, size: int) -> tuple[int, BoInfo]:
+        handle = self.create_bo(size, BO_DEV)
+        return handle, self.bo_info(handle)
+
+    def create_hwctx(self, num_tiles: int = 4, priority: int = 0, max_opc: int = 0,
+                     qos: bytes | None = None) -> tuple[int, int]:
+        """CREATE_HWCTX with a zero QoS (or `qos` bytes); returns (handle, syncobj_handle)."""
+        mem = UserMem(qos if qos is not None else struct.pack(FMT["qos_info"], 0, 0, 0, 0, 0, priority))
+        values = call(self.seam, "CREATE_HWCTX", 0, 0, mem.addr, 0, 0, max_opc, num_tiles, 0, 0, 0, 0)
+        return values[9], values[10]
+
+    def destroy_hwctx(self, handle: int) -> None:
+        call(self.seam, "DESTROY_HWCTX", handle, 0)
+
+    def config_cu(self, ctx: int, cus: list[tuple[int, int]]) -> None:
+        payload = struct.pack("<H6x", len(cus)) + b"".join(struct.pack("<IB3x", bo, func) for bo, func in cus)
+        mem = UserMem(payload)
+        call(self.seam, "CONFIG_HWCTX", ctx, CONFIG_CU, mem.addr, len(payload), 0)
+
+    def exec_cmd(self, ctx: int, cmd_handle: int, args: list[int]) -> int:
+        """EXEC_CMD of one command BO; returns seq."""
+        mem = UserMem(struct.pack(f"<{len(args)}I", *args))
+        self.keep.append(mem)
+        return call(self.seam, "EXEC_CMD", 0, 0, ctx, 0, cmd_handle, mem.addr if args else 0, 1, len(args), 0)[8]
+
+    def timeline_wait(self, syncobj: int, point: int, timeout_s: float = 5.0, flags: int = WAIT_FOR_SUBMIT) -> None:
+        """SYNCOBJ_TIMELINE_WAIT on one point with an absolute deadline `timeout_s` from now."""
+        handles = UserMem(struct.pack("<I", syncobj))
+        points = UserMem(struct.pack("<Q", point))
+        deadline = monotonic_ns() + int(timeout_s * 1e9)
+        call(self.seam, "SYNCOBJ_TIMELINE_WAIT", handles.addr, points.addr, deadline, 1, flags, 0)
+
+    def query(self, syncobj: int, flags: int = 0) -> int:
+        """SYNCOBJ_QUERY of one syncobj: its last signalled (or submitted, flags=1) point."""
+        handles = UserMem(struct.pack("<I", syncobj))
+        points = UserMem(8)
+        call(self.seam, "SYNCOBJ_QUERY", handles.addr, points.addr, 1, flags)
+        return struct.unpack("<Q", points.read())[0]
+
+    def syncobj_destroy(self, handle: int) -> None:
+        call(self.seam, "SYNCOBJ_DESTROY", handle, 0)
+
+    def gem_close(self, handle: int) -> None:
+        call(self.seam, "GEM_CLOSE", handle, 0)
+
+    def get_info(self, param: int, size: int, prefill: bytes = b"") -> tuple[bytes, int]:
+        """GET_INFO into a `size`-byte buffer (optionally pre-filled); returns (buffer bytes, buffer_size out)."""
+        mem = UserMem(size)
+        mem.write(prefill)
+        values = call(self.seam, "GET_INFO", param, size, mem.addr)
+        return mem.read(), values[1]
+
+
+def ert_header(opcode: int, count: int, extra_cu_masks: int = 0, state: int = ERT_STATE_NEW) -> int:
+    """ERT command header word (spec section 6.1)."""
+    return state | (extra_cu_masks << 10) | (count << 12) | (opcode << 23)
+
+
+def start_cu_packet(regmap_words: list[int], cu_mask: int = 1) -> bytes:
+    """ERT_START_CU packet: header, one CU mask, then the regmap words."""
+    words = [cu_mask, *regmap_words]
+    return struct.pack(f"<{len(words) + 1}I", ert_header(ERT_START_CU, len(words)), *words)

@@ -1,0 +1,902 @@
+"""The emulated firmware: execution rules E1-E13, the XRT sequence end to end, chains, TDR, models, TXN walking.
+
+Oracles: numpy reference results for the models, words decoded by hand from the fixture
+`mlir-aie-npu1_1col/insts.bin` (header 0x06030100 0x101 9 328; BLOCKWRITE of shim BD1 at 0x1D020 with
+length 0x10 words, DDR_PATCH of 0x1D024 from arg 2; BD0 at 0x1D000 with length 0x11 words, DDR_PATCH of
+0x1D004 from arg 0; queue pushes at 0x1D204 (S2MM 0, BD 1) and 0x1D214 (MM2S 0, BD 0); a final TCT sync
+as op 8), the ERT packet layout of spec/amdxdna-uapi.md 6 and the errnos of spec/driver-rules.md E.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import math
+import struct
+import threading
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from amdxdna_direct.emu import txn
+from amdxdna_direct.emu.memory import DeviceFault
+from amdxdna_direct.emu.models import Elementwise, Gemm, Mha, ModelRegistry, Passthrough, stream_digest
+
+BF16 = ml_dtypes.bfloat16
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
+NPU2_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu2_1col"
+
+
+def fixture(path: Path) -> bytes:
+    if not path.exists():
+        pytest.skip(f"shared fixtures not present at {path}")
+    return path.read_bytes()
+
+
+# --------------------------------------------------------------------------------------------------
+# A small TXN encoder for synthetic streams (encodings of xrt-npu-sequence.md 2.3)
+# --------------------------------------------------------------------------------------------------
+
+def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_plus: int = 0) -> bytes:
+    """A stream that configures one shim BD per (arg_idx, nbytes), patches it from arg_idx and syncs."""
+    ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24]]
+    for bd, (arg_idx, nbytes) in enumerate(buffers):
+        base = 0x1D000 + 0x20 * bd
+        ops.append([0x01, 0, base, 48, nbytes // 4, 0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000])
+        ops.append([0x81, 48, 0, 0, 0, 0, base + 4, 0, arg_idx, 0, arg_plus, 0])
+        ops.append([0x00, 0, 0x1D214, 0, 0x80000000 | bd, 24])
+    ops.append([0x80, 16, 0, 0x00010100])
+    body = [w for op in ops for w in op]
+    size = 4 * (4 + len(body))
+    words = [0x06000100 | (dev_gen << 16), 0x101, len(ops), size, *body]
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+# --------------------------------------------------------------------------------------------------
+# TXN walker against the hand-decoded fixtures
+# --------------------------------------------------------------------------------------------------
+
+def test_txn_walk_npu1_fixture():
+    program = txn.walk(fixture(NPU1_1COL / "insts.bin"), dev_gen=3)
+    h = program.header
+    assert (h.major, h.minor, h.dev_gen, h.num_rows, h.num_cols, h.num_mem_tile_rows) == (0, 1, 3, 6, 1, 1)
+    assert (h.num_ops, h.size) == (9, 328)
+    assert [(p.op_index, p.reg_addr, p.arg_idx, p.arg_plus, p.length) for p in program.patches] == [
+        (1, 0x1D024, 2, 0, 0x10 * 4), (5, 0x1D004, 0, 0, 0x11 * 4)]
+    pushes = [(q.op_index, q.direction, q.channel, q.bd) for q in program.pushes]
+    assert pushes == [(3, "s2mm", 0, 1), (7, "mm2s", 0, 0)]
+    assert [s.op_index for s in program.syncs] == [8] and program.last_sync_index == 8
+    assert program.registers[0x1D200] == 0xF00 & 0x1F00   # MASKWRITE of 0xF00 under mask 0x1F00 over 0
+
+
+def test_txn_walk_npu2_fixture_and_generation_check():
+    data = fixture(NPU2_1COL / "insts.bin")
+    program = txn.walk(data, dev_gen=4)
+    assert (program.header.num_ops, program.header.size) == (8, 300)
+    assert [(p.arg_idx, p.length) for p in program.patches] == [(0, 0x80 * 4), (1, 0x1000 * 4)]
+    with pytest.raises(txn.TxnError, match="generation 4, this device is generation 3"):
+        txn.walk(data, dev_gen=3)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda w: w.__setitem__(4, 0x07), "unknown TXN opcode 0x7"),
+    (lambda w: w.__setitem__(9, 28), "declares 28 bytes"),
+    (lambda w: w.__setitem__(2, 99), "ends after"),
+    (lambda w: w.__setitem__(3, 400), "does not fit"),
+    (lambda w: w.__setitem__(0, 0x06030001), "TXN version 1.0"),
+    (lambda w: w.__setitem__(6, 0x2001D000), "outside the 1-column partition"),
+])
+def test_txn_walk_rejects_malformed(mutate, message):
+    words = list(struct.unpack("<4I", txn_stream(3, [(0, 64)])[:16])) + list(
+        struct.unpack_from(f"<{(len(txn_stream(3, [(0, 64)])) - 16) // 4}I", txn_stream(3, [(0, 64)]), 16))
+    mutate(words)
+    with pytest.raises(txn.TxnError, match=message):
+        txn.walk(struct.pack(f"<{len(words)}I", *words), dev_gen=3)
+
+
+def test_txn_patch_needs_bd_length_and_bd_register():
+    good = txn_stream(3, [(0, 64)])
+    words = list(struct.unpack(f"<{len(good) // 4}I", good))
+    no_length = words[:]
+    no_length[10 + 2] = 0x1D040       # BLOCKWRITE now writes BD 2, the patch still targets BD 0
+    with pytest.raises(txn.TxnError, match="before its length was written"):
+        txn.walk(struct.pack(f"<{len(words)}I", *no_length), dev_gen=3)
+    not_bd = words[:]
+    not_bd[10 + 12 + 6] = 0x1D200     # DDR_PATCH of a queue register
+    with pytest.raises(txn.TxnError, match="not a shim BD address word"):
+        txn.walk(struct.pack(f"<{len(words)}I", *not_bd), dev_gen=3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Models against numpy oracles
+# --------------------------------------------------------------------------------------------------
+
+def bf16_bytes(values: np.ndarray) -> np.ndarray:
+    """uint8 view of a fresh bf16 copy of `values`."""
+    return np.ascontiguousarray(values.astype(BF16)).view(np.uint8).reshape(-1).copy()
+
+
+def as_f64(raw: np.ndarray, shape) -> np.ndarray:
+    return raw.view(BF16).astype(np.float64).reshape(shape)
+
+
+def close(got: np.ndarray, want: np.ndarray) -> None:
+    # bf16 output: 8 bits of mantissa; compare within a few ulps of the result's scale.
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=1.6e-2, atol=1.6e-2 * scale)
+
+
+RNG = np.random.default_rng(7)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk", "tiled:8,4"])
+def test_gemm_layouts(layout):
+    m, k, n = 6, 32, 12
+    a = RNG.standard_normal((m, k)).astype(BF16).astype(np.float64)
+    b = RNG.standard_normal((k, n)).astype(BF16).astype(np.float64)
+    packed = {"kn": b, "nk": b.T, "tiled:8,4": b.reshape(k // 8, 8, n // 4, 4).transpose(0, 2, 1, 3)}[layout]
+    args = {0: bf16_bytes(a), 1: bf16_bytes(np.ascontiguousarray(packed)), 2: np.zeros(m * n * 2, np.uint8)}
+    Gemm(m, k, n, k, layout)(args)
+    close(as_f64(args[2], (m, n)), a @ b)
+
+
+def test_gemm_lda_rows_and_short_views():
+    m, k, n, lda = 4, 8, 3, 5
+    flat = RNG.standard_normal((m - 1) * lda + k).astype(BF16).astype(np.float64)
+    a = np.stack([flat[i * lda:i * lda + k] for i in range(m)])
+    b = RNG.standard_normal((k, n)).astype(BF16).astype(np.float64)
+    args = {0: bf16_bytes(flat), 1: bf16_bytes(b), 2: np.zeros(m * n * 2 + 6, np.uint8)}
+    Gemm(m, k, n, lda, "kn")(args)
+    close(as_f64(args[2][:m * n * 2], (m, n)), a @ b)
+    assert not args[2][m * n * 2:].any()                      # nothing written past C
+    with pytest.raises(DeviceFault, match=r"A \(arg 0\) has 30 bytes, needs 46"):
+        Gemm(m, k, n, lda, "kn")({0: args[0][:30], 1: args[1], 2: args[2]})
+    with pytest.raises(DeviceFault, match=r"C \(arg 2\) is not patched"):
+        Gemm(m, k, n, lda, "kn")({0: args[0], 1: args[1]})
+
+
+def test_gemm_conv3x3_matches_direct_convolution():
+    h, w, d, cout, p = 4, 5, 3, 2, 2
+    x = RNG.standard_normal((h, w, d)).astype(BF16).astype(np.float64)
+    wt = RNG.standard_normal((cout, d, 3, 3)).astype(BF16).astype(np.float64)
+    # Y: rows padded with a zero column each side, flattened, plus 2 zero pixels (sam3-bundle.md 4).
+    rows = math.ceil(h * (w + 2) / p)
+    y = np.zeros((rows * p + 2, d))
+    y[:h * (w + 2)] = np.pad(x, ((0, 0), (1, 1), (0, 0))).reshape(-1, d)
+    k, lda, n = (p + 2) * d, p * d, 3 * p * cout
+    b = np.zeros((k, n))
+    for j in range(p + 2):
+        for ky in range(3):
+            for q in range(p):
+                if 0 <= j - q <= 2:
+                    b[j * d:(j + 1) * d, (ky * p + q) * cout:(ky * p + q + 1) * cout] = wt[:, :, ky, j - q].T
+    args = {0: bf16_bytes(y.reshape(-1)), 1: bf16_bytes(b), 2: np.zeros(rows * n * 2, np.uint8)}
+    Gemm(rows, k, n, lda, f"conv3x3:{p}")(args)
+    c = as_f64(args[2], (rows, 3, p, cout))                   # [row][ky][p][co]
+    part = c.transpose(1, 0, 2, 3).reshape(3, rows * p, cout)[:, :h * (w + 2)].reshape(3, h, w + 2, cout)[:, :, :w]
+    got = np.zeros((h, w, cout))
+    for ky in range(3):
+        for yy in range(h):
+            if 0 <= yy + ky - 1 < h:
+                got[yy] += part[ky, yy + ky - 1]
+    xp = np.pad(x, ((1, 1), (1, 1), (0, 0)))
+    want = np.zeros((h, w, cout))
+    for ky in range(3):
+        for kx in range(3):
+            want += xp[ky:ky + h, kx:kx + w] @ wt[:, :, ky, kx].T
+    close(got, want)
+
+
+def test_gemm_rejects_inconsistent_layouts():
+    with pytest.raises(ValueError, match="KT must divide"):
+        Gemm(2, 10, 4, 10, "tiled:3,4")
+    with pytest.raises(ValueError, match="lda = P\\*D"):
+        Gemm(2, 14, 12, 4, "conv3x3:2")
+    with pytest.raises(ValueError, match="unknown b_layout"):
+        Gemm(2, 4, 4, 4, "mn")
+
+
+def test_mha_against_softmax_attention():
+    heads, seq, d = 2, 40, 8
+    q, k, v = (RNG.standard_normal((heads, seq, d)).astype(BF16).astype(np.float64) for _ in range(3))
+    args = {0: bf16_bytes(q), 1: bf16_bytes(k), 2: bf16_bytes(v), 3: np.zeros(heads * seq * d * 2, np.uint8)}
+    Mha(heads, seq, d)(args)
+    s = q @ k.transpose(0, 2, 1) / math.sqrt(d)
+    e = np.exp(s - s.max(axis=2, keepdims=True))
+    close(as_f64(args[3], (heads, seq, d)), (e / e.sum(axis=2, keepdims=True)) @ v)
+
+
+@pytest.mark.parametrize("fn", ["gelu", "silu", "copy", "add", "layernorm"])
+def test_elementwise_fns(fn):
+    elems, n = 48, 16
+    x = (RNG.standard_normal(elems) * 2).astype(BF16).astype(np.float64)
+    y = RNG.standard_normal(elems).astype(BF16).astype(np.float64)
+    want = {
+        "gelu": 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+        "silu": x / (1 + np.exp(-x)),
+        "copy": x,
+        "add": x + y,
+        "layernorm": ((x.reshape(-1, n) - x.reshape(-1, n).mean(1, keepdims=True))
+                      / np.sqrt(x.reshape(-1, n).var(1, keepdims=True) + 1e-6)).reshape(-1),
+    }[fn]
+    inputs = [bf16_bytes(x), bf16_bytes(y)] if fn == "add" else [bf16_bytes(x)]
+    args = dict(enumerate([*inputs, np.zeros(elems * 2, np.uint8)]))
+    Elementwise(fn, elems, n=n if fn == "layernorm" else None)(args)
+    close(as_f64(args[len(inputs)], elems), want)
+
+
+def test_elementwise_in_place_and_errors():
+    x = np.linspace(-3, 3, 8).astype(BF16).astype(np.float64)
+    buf = bf16_bytes(x)
+    Elementwise("silu", 8)({0: buf})
+    close(as_f64(buf, 8), x / (1 + np.exp(-x)))
+    with pytest.raises(DeviceFault, match="needs 2 patched buffers"):
+        Elementwise("add", 8)({0: buf})
+    with pytest.raises(DeviceFault, match="has 16 bytes, needs 32"):
+        Elementwise("gelu", 16)({0: buf})
+    with pytest.raises(ValueError, match="layernorm needs n"):
+        Elementwise("layernorm", 8)
+    with pytest.raises(ValueError, match="unknown element-wise fn"):
+        Elementwise("tanh", 8)
+
+
+def test_passthrough_copies_lowest_into_highest():
+    src, dst = np.arange(68, dtype=np.uint8), np.zeros(64, np.uint8)
+    Passthrough()({2: dst, 0: src})
+    assert np.array_equal(dst, src[:64])
+    with pytest.raises(DeviceFault, match="two patched buffers"):
+        Passthrough()({0: src})
+
+
+def test_registry_binding_rules():
+    reg = ModelRegistry()
+    stream = b"\x00\x01\x03\x06" * 4
+    model = Passthrough()
+    digest = reg.bind(stream, model)
+    assert digest == hashlib.sha256(stream).hexdigest() == stream_digest(digest.upper())
+    assert reg.bind(digest, model) == digest and len(reg) == 1          # same model again: no-op
+    assert reg.bind(stream, Passthrough()) == digest                      # an equal built-in model: no-op
+    with pytest.raises(ValueError, match=f"{digest} is already bound to model 'passthrough'"):
+        reg.bind(stream, Gemm(1, 1, 1, 1))
+    with pytest.raises(ValueError, match="already bound"):
+        reg.bind(stream, lambda args: None)
+    assert reg.lookup(digest) is model and stream in reg
+    reg.unbind(digest)
+    assert reg.lookup(digest) is None
+    with pytest.raises(KeyError, match="no model bound"):
+        reg.unbind(stream)
+    with pytest.raises(ValueError, match="64 hex digits"):
+        reg.bind("abc", model)
+
+
+# --------------------------------------------------------------------------------------------------
+# Driving the emulated device with raw ioctls
+# --------------------------------------------------------------------------------------------------
+
+from emu_raw import (  # noqa: E402  (the helpers live next to this file)
+    BO_CMD,
+    BO_SHMEM,
+    ERT_CMD_CHAIN,
+    ERT_START_CU,
+    ERT_START_NPU,
+    ERT_STATE_ABORT,
+    ERT_STATE_COMPLETED,
+    ERT_STATE_ERROR,
+    ERT_STATE_NEW,
+    ERT_STATE_TIMEOUT,
+    Raw,
+    UserMem,
+    call,
+    ert_header,
+    read_addr,
+    write_addr,
+)
+
+from amdxdna_direct.emu import EmuDevice  # noqa: E402
+
+ERT_START_DPU = 18
+ZERO_LIVE = {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
+
+
+def regmap(instr: int, ninstr: int, slots: list[int], nslots: int = 5) -> list[int]:
+    """The mlir-aie regmap: u64 opcode 3 @0, u64 instr @8, u32 ninstr @0x10, u64 bo slots @0x14 + 8k."""
+    slots = slots + [0] * (nslots - len(slots))
+    words = [3, 0, instr & 0xFFFFFFFF, instr >> 32, ninstr]
+    for addr in slots:
+        words += [addr & 0xFFFFFFFF, addr >> 32]
+    return words
+
+
+def packet(opcode: int, words: list[int], masks: tuple[int, ...] = (1,), count: int | None = None,
+           type_bits: int = 0) -> bytes:
+    body = [*masks, *words]
+    head = ert_header(opcode, len(body) if count is None else count, extra_cu_masks=max(0, len(masks) - 1))
+    return struct.pack(f"<{len(body) + 1}I", head | type_bits << 28, *body)
+
+
+class Gate:
+    """A model that blocks until released, then copies like Passthrough (for in-flight tests)."""
+
+    name = "gate"
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.runs = 0
+
+    def __call__(self, args):
+        self.entered.set()
+        self.release.wait(5)
+        self.runs += 1
+        Passthrough()(args)
+
+
+class Npu:
+    """One emulated device, one fd with its heap, and helpers for the XRT-shaped sequence."""
+
+    def __init__(self, profile: str = "npu4", tdr: float = 2.0, **options):
+        self.dev = EmuDevice(profile, tdr_timeout=tdr, **options)
+        self.seam = self.dev.open()
+        self.raw = Raw(self.seam)
+        self.heap, self.heap_va = self.raw.heap()
+        self.gen = 3 if profile == "npu1" else 4
+
+    def context(self, cus: int = 1, pdi: bytes = b"\xdd" * 256, num_tiles: int = 4) -> tuple[int, int]:
+        ctx, syncobj = self.raw.create_hwctx(num_tiles=num_tiles)
+        handles = []
+        for _ in range(cus):
+            handle, info = self.raw.dev_bo(len(pdi))
+            write_addr(info.vaddr, pdi)
+            handles.append(handle)
+        self.raw.config_cu(ctx, [(h, 0) for h in handles])
+        return ctx, syncobj
+
+    def instr(self, stream: bytes) -> tuple[int, int]:
+        """Instruction stream in a DEV BO: (handle, device address)."""
+        handle, info = self.raw.dev_bo(len(stream))
+        write_addr(info.vaddr, stream)
+        return handle, info.xdna_addr
+
+    def data(self, nbytes: int, content: bytes = b"") -> tuple[int, int]:
+        """A mapped SHMEM BO: (handle, address = the device address under SVA)."""
+        handle, addr = self.raw.shmem(max(4096, (nbytes + 4095) // 4096 * 4096))
+        write_addr(addr, content)
+        return handle, addr
+
+    def cmd(self, content: bytes, size: int = 4096) -> tuple[int, int]:
+        handle, addr = self.raw.shmem(size, BO_CMD)
+        write_addr(addr, content)
+        return handle, addr
+
+    def passthrough(self, nbytes: int = 64, tag: int = 0, model=None) -> dict:
+        """A bound passthrough stream with input/output buffers and a ready ERT_START_CU packet."""
+        stream = txn_stream(self.gen, [(0, nbytes), (1, nbytes)], tag=tag)
+        self.dev.models.bind(stream, model or Passthrough())
+        ins, iaddr = self.instr(stream)
+        src = bytes((tag + i) % 251 + 1 for i in range(nbytes))
+        a, a_addr = self.data(nbytes, src)
+        b, b_addr = self.data(nbytes)
+        words = regmap(iaddr, len(stream) // 4, [a_addr, b_addr])
+        cmd, cmd_addr = self.cmd(packet(ERT_START_CU, words))
+        return dict(stream=stream, src=src, out=b_addr, cmd=cmd, cmd_addr=cmd_addr, args=[ins, a, b], words=words,
+                    nbytes=nbytes)
+
+    def exec(self, ctx: int, job: dict) -> int:
+        return self.raw.exec_cmd(ctx, job["cmd"], job["args"])
+
+    def close(self) -> None:
+        self.seam.close()
+        assert self.dev.counters.live() == ZERO_LIVE
+        self.dev.close()
+
+
+def state_of(addr: int) -> int:
+    return struct.unpack("<I", read_addr(addr, 4))[0] & 0xF
+
+
+def words_at(addr: int, count: int, offset: int = 0) -> tuple[int, ...]:
+    return struct.unpack(f"<{count}I", read_addr(addr + offset, 4 * count))
+
+
+@pytest.fixture
+def npus():
+    made: list[Npu] = []
+
+    def make(*args, **kwargs) -> Npu:
+        made.append(Npu(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for npu in made:
+        npu.close()
+
+
+def run_one(npu: Npu, ctx: int, syncobj: int, job: dict) -> int:
+    seq = npu.exec(ctx, job)
+    npu.raw.timeline_wait(syncobj, seq)
+    return state_of(job["cmd_addr"])
+
+
+def xclbin_pdi(data: bytes) -> bytes:
+    """The first PDI image of the AIE_PARTITION section, following the offsets (xrt-npu-sequence.md 3.1-3.8)."""
+    count = struct.unpack_from("<I", data, 0x1C0)[0]
+    for i in range(count):
+        kind, offset = struct.unpack_from("<I20xQ", data, 0x1C8 + 40 * i)
+        if kind == 32:
+            pdis, pdis_off = struct.unpack_from("<II", data, offset + 0x78)
+            size, image_off = struct.unpack_from("<II", data, offset + pdis_off + 0x10)
+            return data[offset + image_off:offset + image_off + size]
+    raise AssertionError("no AIE_PARTITION section")
+
+
+def test_xrt_sequence_npu1_passthrough_fixture(npus, caplog):
+    """xrt-npu-sequence.md section 0, steps 1-13, with the real npu1_1col xclbin and insts.bin."""
+    insts = fixture(NPU1_1COL / "insts.bin")
+    pdi = xclbin_pdi(fixture(NPU1_1COL / "aie.xclbin"))
+    assert len(pdi) == 2640 and pdi[:8] == bytes.fromhex("DD00000044332211")
+    npu = npus("npu1")
+    raw = npu.raw
+    metadata, _ = raw.get_info(1, 64)                                   # QUERY_AIE_METADATA
+    core_rows = struct.unpack_from("<H", metadata, 16)[0]
+    ctx, syncobj = raw.create_hwctx(num_tiles=1 * core_rows)
+    pdi_bo, pdi_info = raw.dev_bo(len(pdi))
+    write_addr(pdi_info.vaddr, pdi)
+    raw.config_cu(ctx, [(pdi_bo, 0)])
+    npu.dev.models.bind(insts, Passthrough())
+    ins_bo, ins_info = raw.dev_bo(len(insts))
+    write_addr(ins_info.vaddr, insts)
+    call(npu.seam, "SYNC_BO", ins_bo, 0, 0, len(insts))
+    src = bytes(range(1, 69))                                             # BD0 reads 0x11 words
+    bo_in, in_addr = raw.shmem(4096)
+    bo_out, out_addr = raw.shmem(4096)
+    write_addr(in_addr, src)
+    exec_bo, exec_addr = raw.shmem(4096, BO_CMD)
+    # Header 0x30010001 as XRT writes it (state NEW, count 16, ERT_START_CU, type 3), CU mask 1, 15-word regmap.
+    words = [0x30010001, 1, *regmap(ins_info.xdna_addr, len(insts) // 4, [in_addr, 0, out_addr])]
+    assert len(words) == 17
+    write_addr(exec_addr, struct.pack("<17I", *words))
+    seq = raw.exec_cmd(ctx, exec_bo, [ins_bo, bo_in, bo_out])
+    assert seq == 0
+    raw.timeline_wait(syncobj, seq)
+    assert words_at(exec_addr, 1)[0] == 0x30010004                         # COMPLETED, the rest of the header kept
+    assert read_addr(out_addr, 64) == src[:64]                              # BD1 writes 0x10 words
+    assert read_addr(out_addr + 64, 64) == bytes(64)
+    for handle, addr in ((bo_in, in_addr), (bo_out, out_addr), (exec_bo, exec_addr)):
+        npu.seam.munmap(addr, 4096)
+        raw.gem_close(handle)
+    raw.gem_close(ins_bo)
+    raw.gem_close(pdi_bo)
+    raw.syncobj_destroy(syncobj)
+    raw.destroy_hwctx(ctx)
+    npu.seam.munmap(npu.heap_va, 64 << 20)
+    raw.gem_close(npu.heap)
+    npu.seam.close()
+    assert npu.dev.counters.live() == ZERO_LIVE
+
+
+def test_rule_E1(npus):
+    npu = npus()
+    ctx, _ = npu.context()
+    job = npu.passthrough()
+    args = UserMem(struct.pack("<3I", *job["args"]))
+    for ext, ext_flags, kind in ((1, 0, 0), (0, 1, 0), (0, 0, 1)):
+        with pytest.raises(OSError) as err:
+            call(npu.seam, "EXEC_CMD", ext, ext_flags, ctx, kind, job["cmd"], args.addr, 1, 3, 0)
+        assert err.value.errno == errno.EINVAL
+
+
+def test_rule_E2(npus):
+    npu = npus()
+    ctx, _ = npu.context()
+    job = npu.passthrough()
+    args = UserMem(struct.pack("<3I", *job["args"]))
+    for cmd_count, arg_count, errno_ in ((1, 4096, errno.EINVAL), (2, 3, errno.EINVAL), (0, 3, errno.EINVAL)):
+        with pytest.raises(OSError) as err:
+            call(npu.seam, "EXEC_CMD", 0, 0, ctx, 0, job["cmd"], args.addr, cmd_count, arg_count, 0)
+        assert err.value.errno == errno_
+    with pytest.raises(OSError) as err:
+        call(npu.seam, "EXEC_CMD", 0, 0, ctx, 0, job["cmd"], 0, 1, 3, 0)
+    assert err.value.errno == errno.EFAULT
+
+
+def test_rule_E3(npus):
+    npu = npus()
+    ctx, _ = npu.context()
+    job = npu.passthrough()
+    big, big_addr = npu.raw.shmem(64 << 10, BO_CMD)
+    write_addr(big_addr, packet(ERT_START_CU, job["words"]))
+    shmem, shmem_addr = npu.data(4096, packet(ERT_START_CU, job["words"]))
+    for handle in (big, shmem, 999):
+        with pytest.raises(OSError) as err:
+            npu.raw.exec_cmd(ctx, handle, job["args"])
+        assert err.value.errno == errno.EINVAL
+    # The handle is taken from the low 32 bits of cmd_handles.
+    seq = npu.raw.exec_cmd(ctx, job["cmd"] | (7 << 32), job["args"])
+    assert seq == 0
+
+
+def test_rule_E4(npus):
+    npu = npus(tdr=0.3)
+    ctx, syncobj = npu.context()
+    job = npu.passthrough()
+    with pytest.raises(OSError) as err:
+        npu.raw.exec_cmd(ctx, job["cmd"], [*job["args"], 4242])
+    assert err.value.errno == errno.ENOENT
+    # A DEV BO passed as an argument stays referenced by the job after its handle is closed.
+    extra, _ = npu.raw.dev_bo(4096)
+    npu.dev.faults.hang(job["stream"])
+    seq = npu.raw.exec_cmd(ctx, job["cmd"], [*job["args"], extra])
+    before = npu.dev.counters.live()["bos"]
+    npu.raw.gem_close(extra)
+    assert npu.dev.counters.live()["bos"] == before
+    npu.raw.timeline_wait(syncobj, seq)
+    assert state_of(job["cmd_addr"]) == ERT_STATE_TIMEOUT
+    assert npu.dev.counters.live()["bos"] == before - 1
+
+
+def test_rule_E5(npus):
+    npu = npus()
+    npu.context()
+    job = npu.passthrough()
+    with pytest.raises(OSError) as err:
+        npu.raw.exec_cmd(77, job["cmd"], job["args"])
+    assert err.value.errno == errno.EINVAL
+
+
+def test_rule_E6(npus):
+    """At most 4 jobs in flight per context: the fifth EXEC_CMD blocks until one ends."""
+    npu = npus()
+    ctx, syncobj = npu.context()
+    gate = Gate()
+    jobs = [npu.passthrough(tag=0, model=gate)] + [npu.passthrough(tag=i) for i in range(1, 5)]
+    seqs = [npu.exec(ctx, job) for job in jobs[:4]]
+    assert gate.entered.wait(2)
+    fifth: list[int] = []
+    thread = threading.Thread(target=lambda: fifth.append(npu.exec(ctx, jobs[4])))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive() and not fifth
+    gate.release.set()
+    thread.join(2)
+    assert fifth == [4] and seqs == [0, 1, 2, 3]
+    npu.raw.timeline_wait(syncobj, 4)
+    for job in jobs:
+        assert state_of(job["cmd_addr"]) == ERT_STATE_COMPLETED
+        assert read_addr(job["out"], job["nbytes"]) == job["src"]
+
+
+def test_rule_E7(npus):
+    npu = npus()
+    (ctx_a, sync_a), (ctx_b, sync_b) = npu.context(), npu.context()
+    job = npu.passthrough()
+    seqs_a = [npu.exec(ctx_a, job) for _ in range(3)]
+    npu.raw.timeline_wait(sync_a, 2)
+    seq_b = npu.exec(ctx_b, job)
+    npu.raw.timeline_wait(sync_b, seq_b)
+    assert seqs_a == [0, 1, 2] and seq_b == 0
+    assert npu.raw.query(sync_a) == 2 and npu.raw.query(sync_b) == 0
+
+
+def test_rule_E8(npus):
+    npu = npus()
+    ctx, syncobj = npu.context()
+    job = npu.passthrough()
+    bad = [
+        packet(ERT_START_CU, job["words"], count=1),             # count does not exceed the one mask word
+        packet(ERT_START_CU, job["words"], count=1024),          # 4 * count + 4 > the 4096-byte BO
+    ]
+    for content in bad:
+        write_addr(job["cmd_addr"], content)
+        seq = npu.exec(ctx, job)
+        npu.raw.timeline_wait(syncobj, seq)                       # the fence still signals
+        assert read_addr(job["cmd_addr"], len(content)) == bytes([content[0] & 0xF0 | ERT_STATE_NEW]) + content[1:]
+        assert read_addr(job["out"], 64) == bytes(64)
+    # Two mask words (extra_cu_masks 1): the first is empty, CU 0 is bit 0 of the second; type bits ignored.
+    write_addr(job["cmd_addr"], packet(ERT_START_CU, job["words"], masks=(0, 1), type_bits=3))
+    assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
+    assert read_addr(job["out"], 64) == job["src"]
+
+
+def test_rule_E9(npus):
+    npu = npus()
+    ctx, syncobj = npu.context(cus=2)
+    job = npu.passthrough()
+    for masks, want in (((0,), ERT_STATE_NEW), ((0x4,), ERT_STATE_NEW), ((0x6,), ERT_STATE_COMPLETED)):
+        write_addr(job["cmd_addr"], packet(ERT_START_CU, job["words"], masks=masks))
+        assert run_one(npu, ctx, syncobj, job) == want, masks      # 0x4 = CU 2, only 2 CUs configured
+
+
+def npu_words(instr: int, nbytes: int, props: list[int], rmap: list[int]) -> list[int]:
+    return [instr & 0xFFFFFFFF, instr >> 32, nbytes, len(props), *props, *rmap]
+
+
+def test_rule_E10(npus):
+    npu = npus()
+    ctx, syncobj = npu.context()
+    job = npu.passthrough()
+    instr = job["words"][2] | job["words"][3] << 32
+    nbytes = len(job["stream"])
+    # Instruction address and size in bytes from the preamble; one property; the regmap carries the buffers.
+    write_addr(job["cmd_addr"], packet(ERT_START_NPU, npu_words(instr, nbytes, [0], job["words"])))
+    assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
+    assert read_addr(job["out"], 64) == job["src"]
+    too_long = npu_words(instr, nbytes, [0] * 12, job["words"])   # 12 + 15 = 27 words > 26
+    write_addr(job["cmd_addr"], packet(ERT_START_NPU, too_long))
+    assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW
+    write_addr(job["cmd_addr"], packet(ERT_START_DPU, npu_words(instr, nbytes, [], job["words"])))
+    assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW
+
+
+def chain_packet(handles: list[int], opcode: int = ERT_CMD_CHAIN) -> bytes:
+    words = [len(handles), 0, 0, 0, 0, 0]
+    for handle in handles:
+        words += [handle, 0]
+    return struct.pack(f"<{len(words) + 1}I", ert_header(opcode, len(words)), *words)
+
+
+def chain_of(npu: Npu, n: int, short: bool = False, model=None) -> tuple[list[dict], int, int, list[int]]:
+    """n passthrough sub-commands (or, with `short`, 5-word regmaps whose stream patches nothing)."""
+    subs = []
+    for i in range(n):
+        if short:
+            stream = txn_stream(npu.gen, [], tag=i)
+            npu.dev.models.bind(stream, model)
+            ins, iaddr = npu.instr(stream)
+            cmd, cmd_addr = npu.cmd(packet(ERT_START_CU, regmap(iaddr, len(stream) // 4, [], nslots=0)))
+            subs.append(dict(cmd=cmd, cmd_addr=cmd_addr, args=[ins]))
+        else:
+            subs.append(npu.passthrough(tag=i))
+    chain, chain_addr = npu.cmd(chain_packet([s["cmd"] for s in subs]))
+    args = sorted({h for s in subs for h in (s["cmd"], *s["args"])})
+    return subs, chain, chain_addr, args
+
+
+class Recorder:
+    name = "recorder"
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, args):
+        assert args == {}
+        self.calls += 1
+
+
+@pytest.mark.parametrize("n", [1, 24])
+def test_chain_runs_every_sub_command(npus, n):
+    npu = npus()
+    ctx, syncobj = npu.context()
+    subs, chain, chain_addr, args = chain_of(npu, n)
+    seq = npu.raw.exec_cmd(ctx, chain, args)
+    npu.raw.timeline_wait(syncobj, seq)
+    assert state_of(chain_addr) == ERT_STATE_COMPLETED
+    for sub in subs:
+        assert read_addr(sub["out"], 64) == sub["src"]
+
+
+def test_chain_of_100_and_the_4k_budget(npus):
+    """CF slots cost 8 + 4 * args bytes: 100 and 146 five-word sub-commands fit 4 KiB, 147 do not (spec 6.5)."""
+    npu = npus()
+    ctx, syncobj = npu.context()
+    recorder = Recorder()
+    for n, want in ((100, ERT_STATE_COMPLETED), (146, ERT_STATE_COMPLETED), (147, ERT_STATE_NEW)):
+        recorder.calls = 0
+        subs, chain, chain_addr, args = chain_of(npu, n, short=True, model=recorder)
+        seq = npu.raw.exec_cmd(ctx, chain, args)
+        npu.raw.timeline_wait(syncobj, seq)
+        assert (state_of(chain_addr), recorder.calls) == (want, n if want == ERT_STATE_COMPLETED else 0)
+        for sub in subs:
+            npu.seam.munmap(sub["cmd_addr"], 4096)
+            npu.raw.gem_close(sub["cmd"])
+            npu.raw.gem_close(sub["args"][0])
+        for stream_tag in range(n):
+            npu.dev.models.unbind(txn_stream(npu.gen, [], tag=stream_tag))
+
+
+def test_rule_E11(npus):
+    """Chain: failing sub-command index, 0xFF over the first sub-command's payload, same-opcode rule."""
+    npu = npus()
+    ctx, syncobj = npu.context()
+    subs, chain, chain_addr, args = chain_of(npu, 24)
+    npu.dev.faults.error(subs[7]["stream"])
+    first_len = 4 * 16
+    seq = npu.raw.exec_cmd(ctx, chain, args)
+    npu.raw.timeline_wait(syncobj, seq)
+    assert state_of(chain_addr) == ERT_STATE_ERROR
+    assert words_at(chain_addr, 3, 4) == (24, 0, 7)                  # command_count, submit_index, error_index
+    assert read_addr(subs[0]["cmd_addr"] + 4, first_len) == b"\xff" * first_len
+    assert [read_addr(s["out"], 64) == s["src"] for s in subs] == [True] * 7 + [False] * 17
+    # A sub-command of another opcode, a handle that is not a CMD BO, an empty chain: rejected, state NEW.
+    odd = npu.passthrough(tag=99)
+    instr = odd["words"][2] | odd["words"][3] << 32
+    write_addr(odd["cmd_addr"], packet(ERT_START_NPU, npu_words(instr, len(odd["stream"]), [], odd["words"])))
+    data_bo = subs[1]["args"][1]
+    for handles in ([subs[1]["cmd"], odd["cmd"]], [subs[1]["cmd"], data_bo], []):
+        write_addr(chain_addr, chain_packet(handles) if handles else
+                   struct.pack("<7I", ert_header(ERT_CMD_CHAIN, 6), 0, 0, 0, 0, 0, 0))
+        seq = npu.raw.exec_cmd(ctx, chain, sorted({*args, odd["cmd"], *odd["args"]}))
+        npu.raw.timeline_wait(syncobj, seq)
+        assert state_of(chain_addr) == ERT_STATE_NEW, handles
+
+
+def test_rule_E12(npus, caplog):
+    """COMPLETED 4; firmware errors ERROR 5; TDR TIMEOUT 8 and the others ABORT 6; failures 0xFF the payload."""
+    npu = npus(tdr=0.2)
+    ctx, syncobj = npu.context()
+    ok = npu.passthrough(tag=1)
+    assert run_one(npu, ctx, syncobj, ok) == ERT_STATE_COMPLETED
+    payload_len = 4 * 16
+
+    def expect_error(job, pattern):
+        with caplog.at_level(logging.ERROR, logger="amdxdna_direct.emu"):
+            caplog.clear()
+            assert run_one(npu, ctx, syncobj, job) == ERT_STATE_ERROR
+        assert read_addr(job["cmd_addr"] + 4, payload_len) == b"\xff" * payload_len
+        assert any(pattern in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+    injected = npu.passthrough(tag=2)
+    npu.dev.faults.error(hashlib.sha256(injected["stream"]).hexdigest())
+    expect_error(injected, "injected firmware error")
+    unbound = npu.passthrough(tag=3)
+    npu.dev.models.unbind(unbound["stream"])
+    digest = hashlib.sha256(unbound["stream"]).hexdigest()
+    expect_error(unbound, f"no model bound to instruction stream sha256 {digest}")
+    other_gen = txn_stream(3, [(0, 64), (1, 64)])                      # an npu1 stream on npu4
+    npu.dev.models.bind(other_gen, Passthrough())
+    wrong = npu.passthrough(tag=4)
+    ins, iaddr = npu.instr(other_gen)
+    write_addr(wrong["cmd_addr"], packet(ERT_START_CU, regmap(iaddr, len(other_gen) // 4, [0x1000, 0x2000])))
+    expect_error(wrong, "generation 3, this device is generation 4")
+    # A buffer slot that resolves to no BO is a device fault (a bad DMA).
+    fault = npu.passthrough(tag=5)
+    words = list(fault["words"])
+    words[5:7] = [0x10000, 0]
+    write_addr(fault["cmd_addr"], packet(ERT_START_CU, words))
+    expect_error(fault, "outside every BO")
+    # A model whose buffers are shorter than it needs (or missing) reports what is short: a device fault.
+    short_a = npu.passthrough(tag=6, nbytes=128, model=Gemm(8, 16, 2, 16, "kn"))
+    expect_error(short_a, "A (arg 0) has 128 bytes, needs 256")
+    expect_error(npu.passthrough(tag=8, nbytes=128, model=Gemm(8, 4, 2, 4, "kn")), "C (arg 2) is not patched")
+    # Instructions outside the heap window (a SHMEM BO) fail too.
+    shm = npu.passthrough(tag=7)
+    s_bo, s_addr = npu.data(len(shm["stream"]), shm["stream"])
+    write_addr(shm["cmd_addr"], packet(ERT_START_CU, regmap(s_addr, len(shm["stream"]) // 4, [0, 0])))
+    expect_error(shm, "not in the heap window")
+    hung, queued = npu.passthrough(tag=9), npu.passthrough(tag=10)
+    npu.dev.faults.hang(hung["stream"])
+    npu.exec(ctx, hung)
+    npu.raw.timeline_wait(syncobj, npu.exec(ctx, queued))
+    assert (state_of(hung["cmd_addr"]), state_of(queued["cmd_addr"])) == (ERT_STATE_TIMEOUT, ERT_STATE_ABORT)
+    assert read_addr(queued["cmd_addr"] + 4, payload_len) == b"\xff" * payload_len
+
+
+def test_tdr_timeout_aborts_the_others_and_the_context_recovers(npus):
+    npu = npus(tdr=0.2)
+    ctx, syncobj = npu.context()
+    hung, queued = npu.passthrough(tag=1), [npu.passthrough(tag=t) for t in (2, 3)]
+    npu.dev.faults.hang(hung["stream"])
+    seqs = [npu.exec(ctx, job) for job in (hung, *queued)]
+    started = time.monotonic()
+    npu.raw.timeline_wait(syncobj, seqs[-1])
+    assert 0.15 < time.monotonic() - started < 1.5
+    payload = read_addr(hung["cmd_addr"] + 4, 4 * 16)
+    # Health record: version 1, npu_gen 0 (AIE2), txn_op_idx = the final sync (op 7 of the stream), ctx_pc and
+    # fatal fields 0; 0xFF after it.
+    assert struct.unpack_from("<8I", payload) == (1, 0, 7, 0, 0, 0, 0, 0)
+    assert payload[32:] == b"\xff" * 32
+    assert state_of(hung["cmd_addr"]) == ERT_STATE_TIMEOUT
+    for job in queued:
+        assert state_of(job["cmd_addr"]) == ERT_STATE_ABORT
+        assert read_addr(job["cmd_addr"] + 4, 4 * 16) == b"\xff" * 64
+    time.sleep(0.1)
+    assert read_addr(hung["out"], 64) == bytes(64)                       # the hung model never wrote
+    again = npu.passthrough(tag=4)
+    assert run_one(npu, ctx, syncobj, again) == ERT_STATE_COMPLETED
+    assert read_addr(again["out"], 64) == again["src"]
+
+
+def test_slow_model_that_progresses_is_not_timed_out(npus):
+    npu = npus(tdr=0.1)
+    ctx, syncobj = npu.context()
+
+    def busy(args):
+        end = time.thread_time() + 0.35                                  # burns CPU for 3.5 TDR periods
+        while time.thread_time() < end:
+            pass
+        Passthrough()(args)
+
+    busy.name = "busy"
+    job = npu.passthrough(model=busy)
+    assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
+
+
+def test_destroy_aborts_in_flight_jobs_after_the_grace_period(npus):
+    npu = npus(tdr=30.0)
+    ctx, syncobj = npu.context()
+    hung, queued = npu.passthrough(tag=1), npu.passthrough(tag=2)
+    npu.dev.faults.hang(hung["stream"])
+    npu.exec(ctx, hung)
+    npu.exec(ctx, queued)
+    started = time.monotonic()
+    npu.raw.destroy_hwctx(ctx)
+    assert 1.9 < time.monotonic() - started < 3.0                       # waits 2 s for the last job (spec 4.2)
+    assert state_of(hung["cmd_addr"]) == state_of(queued["cmd_addr"]) == ERT_STATE_ABORT
+    assert npu.raw.query(syncobj) == 1
+    npu.raw.syncobj_destroy(syncobj)
+
+
+def test_device_loss(npus):
+    npu = npus()
+    ctx, syncobj = npu.context()
+    gate = Gate()
+    job = npu.passthrough(model=gate)
+    seq = npu.exec(ctx, job)
+    assert gate.entered.wait(2)
+    npu.dev.faults.lose_device()
+    for attempt in (lambda: npu.exec(ctx, job), lambda: npu.raw.create_bo(4096, BO_SHMEM),
+                    lambda: npu.raw.timeline_wait(syncobj, seq, timeout_s=0)):
+        with pytest.raises(OSError) as err:
+            attempt()
+        assert err.value.errno == errno.ENODEV
+    gate.release.set()
+
+
+def test_rule_E13(npus):
+    npu = npus(tdr=0.3, wait_cmd=True)
+    ctx, syncobj = npu.context()
+    job = npu.passthrough()
+
+    def wait_cmd(hwctx, seq, timeout_ms):
+        call(npu.seam, "WAIT_CMD", hwctx, timeout_ms, seq)
+
+    for hwctx, seq, want in ((99, 0, errno.EINVAL), (ctx, 0, errno.EINVAL)):
+        with pytest.raises(OSError) as err:
+            wait_cmd(hwctx, seq, 10)
+        assert err.value.errno == want
+    npu.dev.faults.hang(job["stream"])
+    seq = npu.exec(ctx, job)
+    with pytest.raises(OSError) as err:
+        wait_cmd(ctx, seq, 20)
+    assert err.value.errno == errno.ETIME
+    wait_cmd(ctx, seq, 0)                                                # 0 = forever; returns 0 after TDR
+    assert state_of(job["cmd_addr"]) == ERT_STATE_TIMEOUT
+
+
+def test_gemm_through_the_device(npus):
+    """A bf16 GEMM stream run by EXEC_CMD: A, B, C patched from three regmap slots."""
+    npu = npus()
+    ctx, syncobj = npu.context()
+    m, k, n = 16, 64, 32
+    stream = txn_stream(npu.gen, [(0, m * k * 2), (1, k * n * 2), (2, m * n * 2)])
+    npu.dev.models.bind(stream, Gemm(m, k, n, k, "nk"))
+    a = RNG.standard_normal((m, k)).astype(BF16)
+    b = RNG.standard_normal((k, n)).astype(BF16)
+    ins, iaddr = npu.instr(stream)
+    bo_a, a_addr = npu.data(a.nbytes, a.tobytes())
+    bo_b, b_addr = npu.data(b.nbytes, np.ascontiguousarray(b.T).tobytes())
+    bo_c, c_addr = npu.data(m * n * 2)
+    cmd, cmd_addr = npu.cmd(packet(ERT_START_CU, regmap(iaddr, len(stream) // 4, [a_addr, b_addr, c_addr])))
+    seq = npu.raw.exec_cmd(ctx, cmd, [ins, bo_a, bo_b, bo_c])
+    npu.raw.timeline_wait(syncobj, seq)
+    assert state_of(cmd_addr) == ERT_STATE_COMPLETED
+    got = np.frombuffer(read_addr(c_addr, m * n * 2), dtype=BF16).astype(np.float64).reshape(m, n)
+    close(got, a.astype(np.float64) @ b.astype(np.float64))
+
+
+def test_counters_back_at_zero_after_device_close_with_jobs_in_flight():
+    npu = Npu(tdr=30.0)
+    ctx, _ = npu.context()
+    hung, queued = npu.passthrough(tag=1), npu.passthrough(tag=2)
+    npu.dev.faults.hang(hung["stream"])
+    npu.exec(ctx, hung)
+    npu.exec(ctx, queued)
+    npu.dev.close()                  # fd close destroys the context: 2 s grace, then both jobs end ABORT
+    assert npu.dev.counters.live() == ZERO_LIVE
+    with pytest.raises(OSError) as err:
+        npu.dev.open()
+    assert err.value.errno == errno.ENODEV

@@ -1,0 +1,266 @@
+"""amdxdna_direct.insts: TXN decode/encode against the mlir-aie fixtures decoded by hand (spec 2.3)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from amdxdna_direct import insts
+from amdxdna_direct.insts import BlockWrite, DdrPatch, InstsError, MaskWrite, Stream, Sync, Write32
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+FIXTURES = SHARED / "fixtures" / "xdna"
+
+
+def fixture(rel: str) -> Path:
+    path = FIXTURES / rel
+    if not path.is_file():
+        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
+    return path
+
+
+def words_of(path: Path) -> list[int]:
+    raw = path.read_bytes()
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def pack(words: list[int]) -> bytes:
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+# The npu1_1col insts.bin worked out by hand from its words (spec 2.3 lists them): header 0x06030100
+# = major 0, minor 1, devGen 3, 6 rows; 0x101 = 1 column, 1 memory-tile row; 9 ops; 328 bytes.
+BD_NPU1 = (0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000)
+NPU1_OPS = (
+    BlockWrite(addr=0x1D020, words=(0x10,) + BD_NPU1),                    # words 4..15: shim BD1
+    DdrPatch(reg_addr=0x1D024, arg_idx=2, arg_plus=0),                     # words 16..27
+    MaskWrite(addr=0x1D200, value=0xF00, mask=0x1F00),                     # words 28..34: S2MM0 ctrl
+    Write32(addr=0x1D204, value=0x80000001),                               # words 35..40: S2MM0 queue, BD1 + token
+    BlockWrite(addr=0x1D000, words=(0x11,) + BD_NPU1),                     # words 41..52: shim BD0
+    DdrPatch(reg_addr=0x1D004, arg_idx=0, arg_plus=0),                     # words 53..64
+    MaskWrite(addr=0x1D210, value=0xF00, mask=0x1F00),                     # words 65..71: MM2S0 ctrl
+    Write32(addr=0x1D214, value=0x80000000),                               # words 72..77: MM2S0 queue, BD0 + token
+    Sync(direction=0, row=0, col=0, channel=0, row_num=1, col_num=1),      # words 78..81: wait S2MM0
+)
+NPU1_OP_WORDS = [4, 16, 28, 35, 41, 53, 65, 72, 78]
+
+
+def test_npu1_fixture_decodes_to_the_hand_worked_ops():
+    s = insts.load(fixture("mlir-aie-npu1_1col/insts.bin"))
+    assert (s.major, s.minor, s.dev_gen, s.rows, s.cols, s.mem_tile_rows) == (0, 1, 3, 6, 1, 1)
+    assert (s.num_ops, s.size_bytes) == (9, 328)
+    assert s.ops == NPU1_OPS
+    assert insts.layout(s) == NPU1_OP_WORDS
+
+
+def test_npu2_fixture_header_values():
+    s = insts.load(fixture("mlir-aie-npu2_1col/insts.bin"))
+    # header 0x06040100, 0x00000101, 8, 300 (spec 2.3)
+    assert (s.major, s.minor, s.dev_gen, s.rows, s.cols, s.mem_tile_rows, s.num_ops, s.size_bytes) == \
+        (0, 1, 4, 6, 1, 1, 8, 300)
+    assert [type(op).__name__ for op in s.ops] == [
+        "BlockWrite", "DdrPatch", "Write32", "BlockWrite", "DdrPatch", "MaskWrite", "Write32", "Sync"]
+
+
+@pytest.mark.parametrize("rel", ["mlir-aie-npu1_1col/insts.bin", "mlir-aie-npu2_1col/insts.bin"])
+def test_fixture_round_trip(rel):
+    raw = fixture(rel).read_bytes()
+    s = insts.decode(raw)
+    assert insts.encode(s) == raw
+    assert insts.decode(insts.encode(s)) == s
+    assert insts.decode(words_of(fixture(rel))) == s
+
+
+def test_dma_stream_reproduces_the_npu2_fixture_byte_for_byte():
+    raw = fixture("mlir-aie-npu2_1col/insts.bin").read_bytes()
+    # BD0: 0x80 words in on MM2S0 from arg 0; BD1: 0x1000 words out on S2MM0 to arg 1 (read off the fixture)
+    built = insts.dma_stream(4, [(0, 0x80 * 4, "in"), (1, 0x1000 * 4, "out")])
+    assert insts.encode(built) == raw
+
+
+def test_dma_stream_layout_rtp_channels_tokens_and_column():
+    s = insts.dma_stream(3, [(0, 64, "in"), (1, 128, "in"), (2, 256, "out"), (4, 32, "in")], rtp=[7, 9],
+                         column=2)
+    col = 2 << 25
+    bd = (0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000)
+    assert s.ops == (
+        BlockWrite(addr=col | (2 << 20), words=(7, 9)),
+        BlockWrite(addr=col | 0x1D000, words=(16,) + bd),
+        DdrPatch(reg_addr=col | 0x1D004, arg_idx=0, arg_plus=0),
+        Write32(addr=col | 0x1D214, value=0),                   # MM2S0 queue, BD0
+        BlockWrite(addr=col | 0x1D020, words=(32,) + bd),
+        DdrPatch(reg_addr=col | 0x1D024, arg_idx=1, arg_plus=0),
+        Write32(addr=col | 0x1D21C, value=1),                   # MM2S1 queue, BD1
+        BlockWrite(addr=col | 0x1D040, words=(64,) + bd),
+        DdrPatch(reg_addr=col | 0x1D044, arg_idx=2, arg_plus=0),
+        MaskWrite(addr=col | 0x1D200, value=0xF00, mask=0x1F00),
+        Write32(addr=col | 0x1D204, value=0x80000002),          # S2MM0 queue, BD2 + token
+        BlockWrite(addr=col | 0x1D060, words=(8,) + bd),
+        DdrPatch(reg_addr=col | 0x1D064, arg_idx=4, arg_plus=0),
+        Write32(addr=col | 0x1D214, value=3),                   # MM2S0 again (round robin), BD3
+        Sync(direction=0, row=0, col=2, channel=0, row_num=1, col_num=1),
+    )
+    assert (s.dev_gen, s.cols) == (3, 3)
+    assert insts.decode(insts.encode(s)) == s
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    ((5, [(0, 4, "in")]), {}, "dev_gen 5 unsupported"),
+    ((3, [(0, 4, "sideways")]), {}, "direction 'sideways'"),
+    ((3, [(0, 6, "in")]), {}, "size 6 bytes"),
+    ((3, [(0, 0, "out")]), {}, "size 0 bytes"),
+    ((3, [(256, 4, "in")]), {}, "arg_idx 256"),
+    ((3, [(0, 4, "in")] * 17), {}, "17 buffers"),
+    ((3, [(0, 4, "in")]), {"rtp": [1 << 32]}, "rtp word"),
+    ((3, [(0, 4, "in")]), {"column": 200}, "column 200"),
+])
+def test_dma_stream_rejects_bad_arguments(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        insts.dma_stream(*args, **kwargs)
+
+
+def test_2024_encoding_layouts():
+    """Major 1 / minor 0 streams use aie-rt's *_opt structs (xaie_txn.h): WRITE32 3 words, DDR_PATCH 6."""
+    s = Stream(major=1, minor=0, dev_gen=3, rows=6, cols=1, mem_tile_rows=1, ops=(
+        Write32(addr=0x1D204, value=5),
+        MaskWrite(addr=0x1D200, value=0xF00, mask=0x1F00),
+        BlockWrite(addr=0x1D000, words=(1, 2)),
+        DdrPatch(reg_addr=0x1D004, arg_idx=3, arg_plus=0x1_0000_0040),
+        Sync(direction=0, row=0, col=1, channel=1, row_num=1, col_num=1),
+    ))
+    expected = [
+        0x06030001, 0x101, 5, 104,
+        0x00, 0x1D204, 5,
+        0x03, 0x1D200, 0xF00, 0x1F00,
+        0x01, 0x1D000, 20, 1, 2,
+        0x81, 24, 0x1D004, 3, 0x40, 1,
+        0x80, 16, 0x10000, 0x01010100,
+    ]
+    assert insts.encode_words(s) == expected
+    assert s.size_bytes == 4 * len(expected)
+    assert insts.decode(pack(expected)) == s
+
+
+def test_txt_loading(tmp_path):
+    path = fixture("mlir-aie-npu1_1col/insts.bin")
+    text = tmp_path / "insts.txt"
+    text.write_text("".join(f"{w:08X}\n" for w in words_of(path)))   # mlir-aie prints %08X
+    assert insts.load(text) == insts.load(path)
+    assert insts.load(str(text)) == insts.load(path.read_bytes())
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("\n".join(["0x06030100", "101", "", "  0 ", "10"]) + "\r\n")
+    assert insts.load(mixed) == Stream(major=0, minor=1, dev_gen=3, rows=6, cols=1, mem_tile_rows=1, ops=())
+
+
+def test_txt_bad_word_names_word_and_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("06030100\n00000101\n123456789\n")
+    with pytest.raises(InstsError, match=r"word 2 \(line 3\): '123456789' is not a 32-bit hex word"):
+        insts.load(bad)
+
+
+NPU1_HEAD = [0x06030100, 0x101, 1, 40]
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    ([0x06030100, 0x101], r"word 2: stream truncated in the 4-word TXN header"),
+    ([0x06030002, 0x101, 0, 16], r"word 0: TXN version 2\.0 unknown"),
+    ([0x06030100, 0x10101, 0, 16], r"word 1: TXN header padding 0x0001 not zero"),
+    ([0x06030100, 0x101, 0, 20, 0], r"word 4: 1 words left after the 0 ops of the header"),
+    ([0x06030100, 0x101, 0, 99], r"word 3: header size_bytes 99 disagrees with the stream length 16"),
+    ([0x06030100, 0x101, 2, 40, 0, 0, 0x1D204, 0, 5, 24], r"word 10: stream ends after 1 ops, header num_ops says 2"),
+    ([0x06030100, 0x101, 1, 44, 0, 0, 0x1D204, 0, 5, 24, 7], r"word 10: 1 words left after the 1 ops"),
+    ([0x06030100, 0x101, 1, 20, 0x05], r"word 4: unknown opcode 0x05"),
+    ([0x06030100, 0x101, 1, 40, 0, 0, 0x1D204, 0, 5, 20], r"word 9: WRITE32 size field 20 bytes, expected 24"),
+    ([0x06030100, 0x101, 1, 40, 0, 9, 0x1D204, 0, 5, 24], r"word 5: WRITE32 reserved word 1 is 0x00000009"),
+    ([0x06030100, 0x101, 1, 28, 0, 0, 0x1D204], r"word 4: WRITE32 needs 6 words, only 3 left"),
+    ([0x06030100, 0x101, 1, 20, 0x100], r"word 4: op header 0x00000100 has non-zero col/row/padding"),
+    ([0x06030100, 0x101, 1, 32, 1, 0, 0x1D000, 18], r"word 7: BLOCKWRITE size 18 bytes is not a multiple of 4"),
+    ([0x06030100, 0x101, 1, 32, 1, 0, 0x1D000, 12], r"word 7: BLOCKWRITE size 12 bytes is not a multiple of 4 >= 16"),
+    ([0x06030100, 0x101, 1, 36, 1, 0, 0x1D000, 40, 1], r"word 8: BLOCKWRITE data needs 6 words, only 1 left"),
+    ([0x06030100, 0x101, 1, 32, 0x80, 12, 0, 0x10100], r"word 5: SYNC size field 12 bytes, expected 16"),
+    ([0x06030100, 0x101, 1, 32, 0x80, 16, 0, 0x10101], r"word 6: SYNC reserved bits set"),
+    ([0x06030100, 0x101, 1, 64] + [0x81, 48, 0, 0, 1, 0, 0x1D004, 0, 0, 0, 0, 0],
+     r"word 8: DDR_PATCH reserved word 4 is 0x00000001"),
+    ([0x06030001, 0x101, 1, 40] + [0x81, 24, 0x1D004, 0x100, 0, 0],
+     r"word 7: DDR_PATCH argidx word 0x00000100 has non-zero padding"),
+])
+def test_decode_errors_name_the_word(words, message):
+    with pytest.raises(InstsError, match=message):
+        insts.decode(pack(words))
+
+
+def test_decode_rejects_partial_words_and_out_of_range_ints():
+    with pytest.raises(InstsError, match=r"word 1: stream length 6 bytes is not a multiple of 4"):
+        insts.decode(b"\0" * 6)
+    with pytest.raises(InstsError, match=r"word 1: -1 is not a 32-bit word"):
+        insts.decode([0x06030100, -1, 0, 16])
+
+
+@pytest.mark.parametrize(("stream", "message"), [
+    (Stream(1, 0, 3, 6, 1, 1, (DdrPatch(0x1D004, 256, 0),)), r"op 0 field arg_idx=256"),
+    (Stream(1, 0, 3, 6, 1, 1, (Write32(1 << 32, 0),)), r"op 0 field addr=4294967296"),
+    (Stream(0, 1, 3, 6, 1, 1, (Write32(0, 1 << 32),)), r"op 0 field value=4294967296"),
+    (Stream(0, 1, 3, 6, 1, 1, (Sync(0, 0, 256, 0, 1, 1),)), r"op 0 field col=256"),
+    (Stream(0, 1, 300, 6, 1, 1, ()), r"header dev_gen 300"),
+    (Stream(2, 2, 3, 6, 1, 1, ()), r"TXN version 2\.2 unknown"),
+])
+def test_encode_errors(stream, message):
+    with pytest.raises(InstsError, match=message):
+        insts.encode(stream)
+
+
+def test_load_rejects_other_inputs(tmp_path):
+    with pytest.raises(TypeError, match="expected bytes or a path"):
+        insts.load(1234)
+    with pytest.raises(FileNotFoundError):
+        insts.load(tmp_path / "missing.bin")
+
+
+# --------------------------------------------------------------------------------------------- fuzzing
+
+
+def _mutations(raw: bytes) -> st.SearchStrategy[bytes]:
+    n = len(raw)
+    flip = st.tuples(st.integers(0, n - 1), st.integers(1, 255)).map(
+        lambda t: raw[:t[0]] + bytes([raw[t[0]] ^ t[1]]) + raw[t[0] + 1:])
+    truncate = st.integers(0, n - 1).map(lambda k: raw[:k])
+    insert = st.tuples(st.integers(0, n), st.binary(min_size=1, max_size=8)).map(
+        lambda t: raw[:t[0]] + t[1] + raw[t[0]:])
+    big = st.tuples(st.integers(0, n // 4 - 1), st.sampled_from([0xFFFFFFFF, 0x7FFFFFFF, 0x80000000, 0x10000, 4])).map(
+        lambda t: raw[:4 * t[0]] + struct.pack("<I", t[1]) + raw[4 * t[0] + 4:])
+    return st.one_of(flip, truncate, insert, big)
+
+
+def _check_only_documented(data: bytes) -> None:
+    try:
+        s = insts.decode(data)
+    except InstsError:
+        return
+    assert insts.encode(s) == data      # whatever decodes, re-encodes to the same bytes
+
+
+@pytest.mark.parametrize("rel", ["mlir-aie-npu1_1col/insts.bin", "mlir-aie-npu2_1col/insts.bin"])
+def test_fuzz_mutated_fixtures_raise_only_insts_error(rel):
+    raw = fixture(rel).read_bytes()
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_mutations(raw))
+    def check(data):
+        _check_only_documented(data)
+
+    check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=64), st.text(alphabet="0123456789abcdefABxX \t\r\n", max_size=120).map(str.encode)))
+def test_fuzz_loading_raises_only_insts_error(data):
+    try:
+        s = insts.load(data)
+    except InstsError:
+        return
+    assert insts.decode(insts.encode(s)) == s

@@ -1,0 +1,242 @@
+"""Opening devices, the driver check, typed info queries, the heap, stats and teardown order."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+
+import pytest
+from conftest import CREATE_BO, RecordingSeam, emu_open
+
+from amdxdna_direct import Device, Xclbin, errors, open_device
+from amdxdna_direct.device import HEAP_CHUNK_SIZE
+from amdxdna_direct.emu import EmuDevice
+
+DRM_VERSION = struct.Struct("<iii4xQQQQQQ")  # spec amdxdna-uapi.md 5: major minor patch, then len/ptr pairs
+
+
+@pytest.mark.parametrize("spec, profile", [("emu", "npu4"), ("emu:npu1", "npu1"), ("emu:npu6", "npu6")])
+def test_open_emulator_specs(spec, profile):
+    with open_device(spec) as dev:
+        assert dev.name == f"emu:{profile}" and dev.emulator.profile.name == profile
+        assert dev.version.name == "amdxdna_accel_driver" and dev.version.major == 0
+        assert dev.stats["VERSION"] == 1
+    assert dev.closed
+
+
+def test_open_from_env_and_from_an_emudevice(monkeypatch):
+    monkeypatch.setenv("AMDXDNA_DEVICE", "emu:npu5")
+    with open_device() as dev:
+        assert dev.name == "emu:npu5"
+    emu = EmuDevice("npu1")
+    first, second = open_device(emu), open_device(emu)
+    assert first.emulator is emu and second.emulator is emu
+    first.close()
+    second.close()
+    assert emu.counters.ioctls["VERSION"] == 2     # two fds on one emulated device; it stays open
+    emu.close()
+
+
+def test_missing_node_says_how_to_use_the_emulator(tmp_path):
+    with pytest.raises(errors.NoDeviceError) as info:
+        open_device(str(tmp_path / "accel9"))
+    assert info.value.errno == errno.ENOENT and "open(path=" in str(info.value) and "emu" in str(info.value)
+
+
+def test_permission_denied_gives_the_fix(monkeypatch):
+    def refuse(path, flags):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(errors.PermissionDeniedError) as info:
+        open_device("/dev/accel/accel0")
+    text = str(info.value)
+    assert "EACCES" in text and "render" in text and "--device /dev/accel/accel0" in text
+
+
+def test_open_device_rejects_other_types():
+    with pytest.raises(TypeError, match="expected 'emu'"):
+        open_device(42)
+
+
+class _OtherDriver(RecordingSeam):
+    """Answers DRM_IOCTL_VERSION as i915 would (strings written through the user pointers)."""
+
+    def ioctl(self, request, buf):
+        if request & 0xFF != 0x00:
+            return super().ioctl(request, buf)
+        fields = list(DRM_VERSION.unpack_from(buf))
+        for (length_at, ptr_at), text in zip(((3, 4), (5, 6), (7, 8)), (b"i915", b"20250101", b"Intel Graphics"),
+                                             strict=True):
+            ctypes.memmove(fields[ptr_at], text, min(len(text), fields[length_at]))
+            fields[length_at] = len(text)
+        fields[0:3] = [1, 6, 0]
+        DRM_VERSION.pack_into(buf, 0, *fields)
+        return 0
+
+
+def test_a_driver_that_is_not_amdxdna_is_refused():
+    emu = EmuDevice("npu1")
+    seam = _OtherDriver(emu.open())
+    with pytest.raises(errors.NoDeviceError, match=r"driver 'i915' \(Intel Graphics\) is not amdxdna"):
+        Device(seam)
+    assert seam.calls[-1] == ("close",)
+    emu.close()
+
+
+def test_typed_info_queries_match_the_npu1_facts(device):
+    # spec amdxdna-uapi.md 8: NPU1 has 5 columns, 6 rows, core rows 2..5 (4 rows).
+    md = device.aie_metadata()
+    if device.emulator is not None:
+        assert (md.cols, md.rows, md.core.row_count, md.core.row_start, md.mem.row_start) == (5, 6, 4, 2, 1)
+    assert md.core.row_count == 4 and md.shim.row_start == 0
+    assert device.aie_metadata() is md and device.stats["GET_INFO"] == 1        # queried once
+    fw = device.firmware_version()
+    assert str(fw).count(".") == 3
+    clocks = device.clock_metadata()
+    assert clocks.mp_npu_clock.freq_mhz > 0 and clocks.h_clock.name
+    assert device.power_mode().name in ("DEFAULT", "LOW", "MEDIUM", "HIGH", "TURBO")
+    assert device.aie_version().major >= 1
+
+
+@pytest.mark.emu_only
+def test_hw_contexts_lists_ours_and_resource_info(device, npu1_fixture):
+    assert device.hw_contexts() == []
+    ctx = device.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+    entries = device.hw_contexts()
+    assert [(e.context_id, e.num_col, e.pid) for e in entries] == [(ctx.handle, 1, os.getpid())]
+    assert 1 <= entries[0].start_col <= 4          # NPU1: column 0 is not usable (spec 1.3)
+    assert device.resource_info().npu_task_max == 6
+
+
+def test_unsupported_query_says_so():
+    emu = EmuDevice("npu1", drm_minor=0)   # a 6.14-era driver: no QUERY_RESOURCE_INFO (spec 11)
+    with open_device(emu) as dev:
+        with pytest.raises(errors.XdnaError) as info:
+            dev.resource_info()
+    emu.close()
+    assert info.value.errno == errno.EOPNOTSUPP
+    assert "GET_INFO(param=QUERY_RESOURCE_INFO" in str(info.value) and "not supported by this driver" in str(info.value)
+
+
+def test_heap_is_created_on_first_need_and_aligned():
+    dev, emu, seam = emu_open("npu1")
+    shm = dev.bo(4096)
+    assert dev.heap == () and "reserve" not in seam.names()
+    dev_bo = dev.bo(100, "dev")
+    (chunk,) = dev.heap
+    assert chunk.xdna_addr == 0x4000000 and chunk.va % HEAP_CHUNK_SIZE == 0     # spec 1.2
+    assert 0x4000000 <= dev_bo.address < 0x4000000 + HEAP_CHUNK_SIZE and dev_bo.address % (32 << 10) == 0
+    assert dev_bo.cpu_address == chunk.va + (dev_bo.address - 0x4000000)
+    assert shm.address == shm.cpu_address                                       # SVA: the mapping's VA
+    dev.close()
+
+
+def test_dev_bo_eagain_grows_the_heap_by_a_contiguous_chunk():
+    # The expandable-heap driver answers EAGAIN for a DEV BO when the heap is short (spec 4.4); the
+    # emulator models the one-heap driver, so the EAGAIN is injected and the second heap is refused.
+    dev, emu, seam = emu_open("npu1")
+    dev.ensure_heap()
+    answers = iter([errno.EAGAIN])
+
+    def once(buf):
+        return next(answers, None) if CREATE_BO.unpack_from(buf)[3] == 3 else None
+
+    seam.inject[[c for c in seam.calls if c[0] == "ioctl" and c[1] & 0xFF == 0x43][0][1]] = once
+    with pytest.raises(errors.XdnaError, match=r"CREATE_BO\(type=DEV_HEAP, size=0x4000000\): EBUSY"):
+        dev.bo(4096, "dev")
+    created = [CREATE_BO.unpack_from(c[2]) for c in seam.calls if c[0] == "ioctl" and c[1] & 0xFF == 0x43]
+    assert [(x[2], x[3]) for x in created[-2:]] == [(4096, 3), (64 << 20, 2)]
+    assert emu.counters.live()["bos"] == 1
+    dev.close()
+
+
+def test_close_releases_everything_newest_first(npu1_fixture):
+    dev, emu, seam = emu_open("npu1")
+    ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+    a = dev.bo(4096)
+    b = dev.bo(8192, "cmd")
+    n = len(seam.calls)
+    dev.close()
+    assert seam.names()[n:] == ["munmap", "GEM_CLOSE", "munmap", "GEM_CLOSE",        # b, a
+                                "SYNCOBJ_DESTROY", "DESTROY_HWCTX", "GEM_CLOSE",     # context, then its PDI
+                                "munmap", "GEM_CLOSE", "munmap", "close"]            # heap, reservation, fd
+    assert set(emu.counters.live().values()) == {0}
+    assert a.closed and b.closed and ctx.closed
+    dev.close()                                                                       # idempotent
+    with pytest.raises(errors.XdnaError, match="closed"):
+        a.sync()
+
+
+def test_raw_ioctl_goes_through_stats_and_errors():
+    from amdxdna_direct import abi
+
+    with open_device("emu:npu1") as dev:
+        req = abi.ffi.new("struct drm_gem_close *")
+        req.handle = 999
+        with pytest.raises(errors.XdnaError) as info:
+            dev.raw_ioctl(abi.DRM_IOCTL_GEM_CLOSE, abi.ffi.buffer(req))
+        assert info.value.errno == errno.EINVAL and str(info.value).startswith("GEM_CLOSE(): EINVAL")
+        assert dev.stats["GEM_CLOSE"] == 1
+
+
+def test_os_seam_on_ordinary_files():
+    from amdxdna_direct.seam import OsSeam
+
+    seam = OsSeam("/dev/null")
+    with pytest.raises(errors.XdnaError) as info:
+        Device(seam)                       # not a DRM node: DRM_IOCTL_VERSION answers ENOTTY
+    assert info.value.errno == errno.ENOTTY and str(info.value).startswith("VERSION(): ENOTTY")
+    assert seam.fd == -1                   # the failed open closed the fd
+    zero = OsSeam("/dev/zero")
+    addr = zero.mmap(8192, 0)
+    ctypes.memmove(addr, b"xdna", 4)
+    assert ctypes.string_at(addr, 4) == b"xdna"
+    zero.munmap(addr, 8192)
+    base = zero.reserve(64 << 20, 64 << 20)
+    assert base % (64 << 20) == 0
+    fixed = zero.mmap(4096, 0, base)        # MAP_FIXED into the reservation, as the heap is mapped
+    assert fixed == base
+    zero.munmap(base, 64 << 20)
+    zero.close()
+    zero.close()
+    with pytest.raises(OSError) as closed:
+        zero.ioctl(0, bytearray(8))
+    assert closed.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize("priority, value", [(None, 0), ("low", 0x280), ("realtime", 0x100), (0x200, 0x200)])
+def test_qos_buffer_is_32_zeroed_bytes_with_priority(npu1_fixture, priority, value):
+    dev, emu, seam = emu_open("npu1")
+    seen = []
+    request = next(c for c in _abi().IOCTLS if c & 0xFF == 0x40)
+    seam.inject[request] = lambda buf: seen.append(ctypes.string_at(struct.unpack_from("<Q", buf, 16)[0], 32))
+    ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"), priority=priority)
+    # spec amdxdna-uapi.md 2.1 / 12: six u32 (priority at 20), then user_start_col 0xFF, reserved 0
+    assert struct.unpack("<8I", seen[0]) == (0, 0, 0, 0, 0, value, 0xFF, 0)
+    assert ctx.priority == value
+    with pytest.raises(ValueError, match="priority"):
+        dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"), priority="urgent")
+    dev.close()
+
+
+def _abi():
+    from amdxdna_direct import abi
+
+    return abi
+
+
+def test_contexts_are_released_on_garbage_collection(npu1_fixture):
+    import gc
+
+    dev, emu, seam = emu_open("npu1")
+    ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+    ctx.kernel()
+    assert emu.counters.live()["hwctx"] == 1
+    del ctx
+    gc.collect()
+    live = emu.counters.live()
+    assert (live["hwctx"], live["syncobjs"], live["bos"]) == (0, 0, 1)
+    dev.close()

@@ -1,0 +1,384 @@
+"""Runs end to end: the real npu1_1col fixture, a GEMM over chunked sub-buffers, the exact XRT ioctl
+sequence, failures (ERROR, TDR hang, lost device, context refusal) and concurrency."""
+
+from __future__ import annotations
+
+import errno
+import struct
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import CREATE_BO, CREATE_HWCTX, EXEC_CMD, SYNC_BO, TIMELINE_WAIT, emu_open, txn_dev_gen
+
+from amdxdna_direct import Xclbin, cmd, errors, insts, open_device, xclbin
+from amdxdna_direct.emu import EmuDevice, Gemm, Passthrough
+
+# Hand-decoded from insts.bin (spec 2.3 worked example): BD1 (0x1D020, patched with arg_idx 2, the output)
+# has length word 0x10 = 16 words; BD0 (0x1D000, arg_idx 0, the input) 0x11 = 17 words.
+OUT_BYTES = 16 * 4
+IN_BYTES = 17 * 4
+BF16 = ml_dtypes.bfloat16
+
+
+def _passthrough(dev, fixture):
+    """(ctx, kernel, stream bytes) for the fixture, with the emulator told what the stream computes."""
+    stream = (fixture / "insts.bin").read_bytes()
+    if dev.emulator is not None:
+        dev.emulator.models.bind(stream, Passthrough())
+    ctx = dev.hw_context(Xclbin.load(fixture / "aie.xclbin"))
+    return ctx, ctx.kernel(), stream
+
+
+def _buffers(dev, seed=0):
+    rng = np.random.default_rng(seed)
+    a, b, c = dev.bo(4096), dev.bo(4096), dev.bo(4096)
+    src = rng.integers(0, 2**32, 1024, dtype=np.uint32)
+    a.array(np.uint32)[:] = src
+    a.sync()
+    c.array(np.uint8)[:] = 0
+    c.sync()
+    return a, b, c, src
+
+
+def test_fixture_passthrough_returns_the_data(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    a, b, c, src = _buffers(device)
+    run = kernel.prepare_npu(stream, [a, b, c])
+    assert run.start().wait(timeout=30) == cmd.ERT_CMD_STATE_COMPLETED
+    c.sync(direction="from_device")
+    out = c.array(np.uint8)
+    assert out[:OUT_BYTES].tobytes() == src.view(np.uint8)[:OUT_BYTES].tobytes()
+    assert not out[OUT_BYTES:].any()
+    assert run.state == cmd.ERT_CMD_STATE_COMPLETED and run.elapsed > 0 and run.seq == 0
+    ctx.close()
+
+
+def test_exact_ioctl_sequence_of_one_passthrough_run(npu1_fixture):
+    """The XRT sequence of spec xrt-npu-sequence.md section 0, call for call, and its key field values."""
+    dev, emu, seam = emu_open("npu1")
+    ctx, kernel, stream = _passthrough(dev, npu1_fixture)
+    a, b, c, _ = _buffers(dev)
+    run = kernel.prepare_npu(stream, [a, b, c])
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    run.start().wait(30)
+    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    c.sync(direction="from_device")
+    ctx.close()
+    dev.close()
+    shmem = ["CREATE_BO", "GET_BO_INFO", "mmap", "SYNC_BO"]        # step 8 + initial flush
+    expected = (["VERSION",
+                 "reserve", "CREATE_BO", "GET_BO_INFO", "mmap",      # step 2: the heap
+                 "GET_INFO", "CREATE_HWCTX",                         # step 4
+                 "CREATE_BO", "GET_BO_INFO", "SYNC_BO", "CONFIG_HWCTX"]  # step 5: PDI DEV BO + CONFIG_CU
+                + shmem * 3 + ["SYNC_BO", "SYNC_BO"]                 # a, b, c; flush a and c after filling
+                + ["CREATE_BO", "GET_BO_INFO", "SYNC_BO"]            # step 7: instruction DEV BO
+                + ["CREATE_BO", "GET_BO_INFO", "mmap"]               # step 10: exec BO
+                + ["EXEC_CMD", "SYNCOBJ_TIMELINE_WAIT", "SYNC_BO"]   # steps 10-12
+                + ["munmap", "GEM_CLOSE", "GEM_CLOSE"]               # step 13: exec BO, instruction BO
+                + ["SYNCOBJ_DESTROY", "DESTROY_HWCTX", "GEM_CLOSE"]  # syncobj, context, PDI
+                + ["munmap", "GEM_CLOSE"] * 3                        # c, b, a (newest first)
+                + ["munmap", "GEM_CLOSE", "munmap", "close"])        # heap, rest of the reservation, fd
+    assert seam.names() == expected
+    calls = [c for c in seam.calls if c[0] == "ioctl"]
+    by_name = {}
+    for call, name in zip(calls, seam.ioctls(), strict=True):
+        by_name.setdefault(name, []).append(call[2])
+    heap = CREATE_BO.unpack_from(by_name["CREATE_BO"][0])
+    assert (heap[2], heap[3]) == (64 << 20, 2)                               # DEV_HEAP 64 MiB
+    reserve = next(c for c in seam.calls if c[0] == "reserve")
+    heap_map = next(c for c in seam.calls if c[0] == "mmap")
+    assert reserve[2] == 64 << 20 and heap_map[3] == reserve[3] and heap_map[3] % (64 << 20) == 0
+    hwctx = CREATE_HWCTX.unpack_from(by_name["CREATE_HWCTX"][0])
+    assert hwctx[0] == hwctx[1] == 0 and hwctx[2] != 0                       # ext, ext_flags, qos_p
+    assert (hwctx[5], hwctx[6]) == (2048, 4)                                 # max_opc, num_tiles = 1 col x 4
+    exe = EXEC_CMD.unpack_from(by_name["EXEC_CMD"][0])
+    assert (exe[3], exe[6], exe[7]) == (0, 1, 4)                             # type, cmd_count, arg_count
+    wait = TIMELINE_WAIT.unpack_from(by_name["SYNCOBJ_TIMELINE_WAIT"][0])
+    assert (wait[3], wait[4]) == (1, 2)                                      # one handle, WAIT_FOR_SUBMIT
+    assert before + 30 * 10**9 <= wait[2] <= after + 30 * 10**9              # absolute CLOCK_MONOTONIC
+    last_sync = SYNC_BO.unpack_from(by_name["SYNC_BO"][-1])
+    assert last_sync[1] == 0 and last_sync[3] == 4096                        # FROM_DEVICE done as TO_DEVICE
+
+
+def test_repeated_run_costs_exec_and_wait_only(npu1_fixture):
+    dev, emu, seam = emu_open("npu1")
+    ctx, kernel, stream = _passthrough(dev, npu1_fixture)
+    a, b, c, src = _buffers(dev)
+    run = kernel.prepare_npu(stream, [a, b, c])
+    run.start().wait(30)
+    again = kernel.prepare_npu(stream, [a, b, c])   # same stream: the instruction upload is cached
+    n = len(seam.calls)
+    for i in range(3):
+        a.array(np.uint32)[:] = src + i
+        a.sync()
+        run.start().wait(30)
+        c.sync(direction="from_device")
+        assert (c.array(np.uint32)[:OUT_BYTES // 4] == src[:OUT_BYTES // 4] + i).all()
+    assert seam.names()[n:] == ["SYNC_BO", "EXEC_CMD", "SYNCOBJ_TIMELINE_WAIT", "SYNC_BO"] * 3
+    assert emu.counters.ioctls["CREATE_BO"] == 1 + 1 + 3 + 1 + 2   # heap, PDI, a b c, instructions, 2 exec BOs
+    assert again.packet.handle != run.packet.handle and run.seq == 3
+    dev.close()
+
+
+def _gemm_stream(dev_gen, model):
+    return insts.encode(insts.dma_stream(dev_gen, [(0, model.a_bytes, "in"), (1, model.b_bytes, "in"),
+                                                   (2, model.c_bytes, "out")], rtp=[model.m, model.k, model.n]))
+
+
+@pytest.mark.emu_only
+@pytest.mark.parametrize("rows", [64, 80])
+def test_gemm_over_chunked_sub_buffers_equals_numpy(device, rows):
+    m, k, n = 16, 64, 32
+    pdi = bytes(range(256)) * 4
+    x = xclbin.build_mlir_aie(pdi)
+    gen = txn_dev_gen(device)
+    models = {m: Gemm(m, k, n, k)}
+    if rows % m:
+        models[rows % m] = Gemm(rows % m, k, n, k)
+    streams = {rows_: _gemm_stream(gen, model) for rows_, model in models.items()}
+    for rows_, model in models.items():
+        device.emulator.models.bind(streams[rows_], model)
+    rng = np.random.default_rng(1)
+    a_host = rng.standard_normal((rows, k)).astype(BF16)
+    b_host = rng.standard_normal((k, n)).astype(BF16)
+    a, b, c = device.bo(a_host.nbytes), device.bo(b_host.nbytes), device.bo(rows * n * 2)
+    a.array(BF16, shape=(rows, k))[:] = a_host
+    b.array(BF16, shape=(k, n))[:] = b_host
+    for bo in (a, b, c):
+        bo.sync()
+    ctx = device.hw_context(x)
+    kernel = ctx.kernel("MLIR_AIE")
+    runs = []
+    for start in range(0, rows, m):
+        chunk = min(m, rows - start)
+        a_sub = a.sub(start * k * 2, chunk * k * 2)
+        c_sub = c.sub(start * n * 2, chunk * n * 2)
+        assert a_sub.handle == a.handle and a_sub.address == a.address + start * k * 2
+        runs.append(kernel.prepare_npu(streams[chunk], [a_sub, b, c_sub]))
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.wait(30)
+    c.sync(direction="from_device")
+    expected = (a_host.astype(np.float32) @ b_host.astype(np.float32)).astype(BF16)
+    np.testing.assert_array_equal(c.array(BF16, shape=(rows, n)), expected)
+    assert runs[0].handles == [ctx.instructions(streams[m])[0].handle, a.handle, b.handle, c.handle]
+
+
+@pytest.mark.emu_only
+def test_firmware_error_is_reported_and_the_run_recovers(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    a, b, c, src = _buffers(device)
+    run = kernel.prepare_npu(stream, [a, b, c])
+    device.emulator.faults.error(stream)
+    with pytest.raises(errors.CommandError) as info:
+        run.start().wait(30)
+    err = info.value
+    assert type(err) is errors.CommandError and err.state == "ERROR" and err.kernel == "MLIR_AIE"
+    assert err.seq == 0 and err.errno == errno.EIO and "MLIR_AIE (hwctx=" in str(err) and "ERROR" in str(err)
+    assert run.state == cmd.ERT_CMD_STATE_ERROR
+    run.start().wait(30)   # the 0xFF-filled packet is rebuilt (spec 6.6)
+    c.sync()
+    assert c.array(np.uint32)[:OUT_BYTES // 4].tolist() == src[:OUT_BYTES // 4].tolist()
+
+
+@pytest.mark.emu_only
+def test_hang_times_out_after_tdr_and_context_keeps_working(npu1_fixture):
+    emu = EmuDevice("npu1", tdr_timeout=0.3)
+    dev = open_device(emu)
+    ctx, kernel, stream = _passthrough(dev, npu1_fixture)
+    a, b, c, src = _buffers(dev)
+    run = kernel.prepare_npu(stream, [a, b, c])
+    emu.faults.hang(stream)
+    run.start()
+    with pytest.raises(errors.CommandTimeout) as early:
+        run.wait(timeout=0.05)       # host-side deadline before the TDR fires
+    assert early.value.state == "RUNNING" and early.value.errno == errno.ETIME
+    t0 = time.monotonic()
+    with pytest.raises(errors.CommandTimeout) as tdr:
+        run.wait(timeout=10)
+    assert tdr.value.state == "TIMEOUT" and time.monotonic() - t0 < 5
+    assert isinstance(tdr.value, TimeoutError) and run.state == cmd.ERT_CMD_STATE_TIMEOUT
+    assert tdr.value.health is not None and tdr.value.health.version == 1    # spec 1.9 context health record
+    run.start().wait(10)
+    c.sync()
+    assert c.array(np.uint32)[:OUT_BYTES // 4].tolist() == src[:OUT_BYTES // 4].tolist()
+    dev.close()
+    emu.close()
+    assert set(emu.counters.live().values()) == {0}
+
+
+@pytest.mark.emu_only
+def test_lost_device_latches_and_leaves_nothing(npu1_fixture):
+    dev, emu, seam = emu_open("npu1")
+    ctx, kernel, stream = _passthrough(dev, npu1_fixture)
+    a, b, c, _ = _buffers(dev)
+    run = kernel.prepare_npu(stream, [a, b, c])
+    emu.faults.lose_device()
+    with pytest.raises(errors.DeviceLostError) as first:
+        run.start()
+    assert "EXEC_CMD(hwctx=" in str(first.value) and "ENODEV" in str(first.value)
+    issued = len(seam.calls)
+    with pytest.raises(errors.DeviceLostError, match="device lost earlier"):
+        a.sync()
+    with pytest.raises(errors.DeviceLostError):
+        dev.bo(4096)
+    assert len(seam.calls) == issued      # latched: no further ioctl reaches the device
+    dev.close()
+    assert set(emu.counters.live().values()) == {0}
+
+
+@pytest.mark.emu_only
+@pytest.mark.parametrize("err", [errno.ENODEV, errno.EBUSY, errno.EINVAL])
+def test_context_unavailable_leaves_no_handles(npu1_fixture, err):
+    dev, emu, seam = emu_open("npu1")
+    emu.faults.fail_next_create_hwctx(err)
+    with pytest.raises(errors.ContextUnavailableError) as info:
+        dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+    assert str(info.value).startswith("CREATE_HWCTX(num_tiles=4, max_opc=2048): ")
+    assert info.value.errno == err
+    assert emu.counters.live()["hwctx"] == 0 and emu.counters.live()["syncobjs"] == 0
+    dev.close()
+    assert set(emu.counters.live().values()) == {0}
+
+
+@pytest.mark.emu_only
+def test_failed_config_cu_releases_context_syncobj_and_pdi(npu1_fixture):
+    dev, emu, seam = emu_open("npu1")
+    seam.inject[next(r for r in _requests() if r & 0xFF == 0x42)] = lambda buf: errno.EINVAL
+    with pytest.raises(errors.XdnaError, match=r"CONFIG_HWCTX\(handle=1, param_type=CONFIG_CU, num_cus=1\): EINVAL"):
+        dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+    live = emu.counters.live()
+    assert (live["hwctx"], live["syncobjs"], live["bos"]) == (0, 0, 1)      # only the heap is left
+    assert seam.ioctls()[-3:] == ["SYNCOBJ_DESTROY", "DESTROY_HWCTX", "GEM_CLOSE"]
+    dev.close()
+    assert set(emu.counters.live().values()) == {0}
+
+
+def _requests():
+    from amdxdna_direct import abi
+
+    return list(abi.IOCTLS)
+
+
+@pytest.mark.emu_only
+def test_firmware_context_limit_is_context_unavailable(npu1_fixture):
+    dev, emu, _ = emu_open("npu1")
+    emu.faults.cap_contexts(1)
+    x = Xclbin.load(npu1_fixture / "aie.xclbin")
+    first = dev.hw_context(x)
+    with pytest.raises(errors.ContextUnavailableError, match="EINVAL"):
+        dev.hw_context(x)
+    first.close()
+    dev.hw_context(x).close()
+    dev.close()
+    assert set(emu.counters.live().values()) == {0}
+
+
+def test_threads_submit_and_wait_concurrently(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    errors_seen = []
+
+    def worker(seed):
+        try:
+            a, b, c, src = _buffers(device, seed)
+            run = kernel.prepare_npu(stream, [a, b, c])
+            for i in range(5):
+                a.array(np.uint32)[:] = src + i
+                a.sync()
+                run.start().wait(30)
+                c.sync()
+                assert (c.array(np.uint32)[:OUT_BYTES // 4] == src[:OUT_BYTES // 4] + i).all()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors_seen
+
+
+def test_more_runs_in_flight_than_the_driver_depth(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    sets = [_buffers(device, seed) for seed in range(6)]
+    runs = [kernel.prepare_npu(stream, [a, b, c]) for a, b, c, _ in sets]
+    for run in runs:
+        run.start()                     # the 5th EXEC_CMD blocks in the driver until one finishes
+    assert [run.wait(30) for run in runs] == [cmd.ERT_CMD_STATE_COMPLETED] * 6
+    assert [run.seq for run in runs] == list(range(6))
+    for _, _, c, src in sets:
+        c.sync()
+        assert c.array(np.uint32)[:OUT_BYTES // 4].tolist() == src[:OUT_BYTES // 4].tolist()
+
+
+def test_prepare_validates_arguments(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    a = device.bo(4096)
+    with pytest.raises(TypeError, match=r"argument 3 \(bo0\) is a buffer"):
+        kernel.prepare(3, None, 0, 7)
+    with pytest.raises(TypeError, match=r"argument 0 \(opcode\) is a scalar"):
+        kernel.prepare(a)
+    with pytest.raises(ValueError, match="takes 8 arguments"):
+        kernel.prepare(*([0] * 9))
+    with pytest.raises(ValueError, match=r"ninstr\) = 4294967296 does not fit 4 bytes"):
+        kernel.prepare(3, None, 1 << 32)
+    with pytest.raises(RuntimeError, match="never started"):
+        kernel.prepare(3).wait()
+    ctx.close()
+    with pytest.raises(errors.XdnaError, match="context is closed"):
+        kernel.prepare(3)
+
+
+def test_regmap_in_packet_uses_device_addresses(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    a, b, c, _ = _buffers(device)
+    run = kernel.prepare_npu(stream, [a.sub(64, 128), None, c])
+    instr, nwords = ctx.instructions(stream)
+    words = struct.unpack_from("<17I", run.packet.read(68))
+    assert words[0] == 0x30010001 and words[1] == 1
+    assert words[2:4] == (3, 0) and words[6] == nwords == len(stream) // 4
+    assert words[4] | words[5] << 32 == instr.address and 0x4000000 <= instr.address < 0x8000000
+    assert words[7] | words[8] << 32 == a.address + 64
+    assert words[9:11] == (0, 0) and words[11] | words[12] << 32 == c.address
+    assert run.handles == [instr.handle, a.handle, c.handle]
+
+
+class _NoSyncobj:
+    """A driver whose contexts come without a syncobj (handle 0): the runtime must use WAIT_CMD."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.requests = inner, inner.name, []
+
+    def ioctl(self, request, buf):
+        self.requests.append(request & 0xFF)
+        result = self.inner.ioctl(request, buf)
+        if request & 0xFF == 0x40:
+            struct.pack_into("<I", buf, 52, 0)      # syncobj_handle (spec amdxdna-uapi.md 2.1)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.emu_only
+def test_wait_cmd_is_used_when_the_context_has_no_syncobj(npu1_fixture):
+    from amdxdna_direct import Device
+
+    emu = EmuDevice("npu1", wait_cmd=True)          # the out-of-tree driver's WAIT_CMD (spec 4.11)
+    seam = _NoSyncobj(emu.open())
+    dev = Device(seam, emulator=emu)
+    ctx, kernel, stream = _passthrough(dev, npu1_fixture)
+    a, b, c, src = _buffers(dev)
+    kernel.prepare_npu(stream, [a, b, c]).start().wait(30)
+    c.sync()
+    assert c.array(np.uint32)[:OUT_BYTES // 4].tolist() == src[:OUT_BYTES // 4].tolist()
+    assert 0x49 in seam.requests and 0xCA not in seam.requests
+    ctx.close()
+    assert 0xC0 not in seam.requests                # no syncobj to destroy
+    dev.close()
+    emu.close()
