@@ -115,8 +115,8 @@ def _IOW(type_: int, nr: int, ctype: str) -> int:  # noqa: N802 - kernel spellin
     """``_IOW(type, nr, ctype)``: userspace writes ``sizeof(ctype)`` bytes to the kernel.
 
     Raises:
-        ValueError: a field does not fit its bit width.
-        ffi.error: ``ctype`` is not a declared C type.
+        ValueError: a field does not fit its bit width, or ``ctype`` is an undeclared struct (unknown size).
+        cffi.CDefError: ``ctype`` names no type at all.
     """
     return _IOC(_IOC_WRITE, type_, nr, ffi.sizeof(ctype))
 
@@ -125,8 +125,8 @@ def _IOR(type_: int, nr: int, ctype: str) -> int:  # noqa: N802 - kernel spellin
     """``_IOR(type, nr, ctype)``: the kernel writes ``sizeof(ctype)`` bytes back.
 
     Raises:
-        ValueError: a field does not fit its bit width.
-        ffi.error: ``ctype`` is not a declared C type.
+        ValueError: a field does not fit its bit width, or ``ctype`` is an undeclared struct (unknown size).
+        cffi.CDefError: ``ctype`` names no type at all.
     """
     return _IOC(_IOC_READ, type_, nr, ffi.sizeof(ctype))
 
@@ -135,8 +135,8 @@ def _IOWR(type_: int, nr: int, ctype: str) -> int:  # noqa: N802 - kernel spelli
     """``_IOWR(type, nr, ctype)``: copied in and back out.
 
     Raises:
-        ValueError: a field does not fit its bit width.
-        ffi.error: ``ctype`` is not a declared C type.
+        ValueError: a field does not fit its bit width, or ``ctype`` is an undeclared struct (unknown size).
+        cffi.CDefError: ``ctype`` names no type at all.
     """
     return _IOC(_IOC_READ | _IOC_WRITE, type_, nr, ffi.sizeof(ctype))
 

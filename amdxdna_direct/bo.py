@@ -26,7 +26,7 @@ __all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE"]
 PAGE_SIZE = 4096
 TO_DEVICE = "to_device"
 FROM_DEVICE = "from_device"
-_INVALID = (1 << 64) - 1
+_INVALID = (1 << 64) - 1  # AMDXDNA_INVALID_ADDR
 _SUB_ALIGN = 4  # the shim DMA's buffer-descriptor address is word granular (spec 1.5)
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
     "ClockMetadata", "FirmwareVersion", "HwContextInfo", "PowerMode", "ResourceInfo", "HeapChunk",
-    "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE",
+    "BoInfo", "DeviceFile", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE",
 ]
 
 DRIVER_NAME = "amdxdna_accel_driver"  # DRM_IOCTL_VERSION name (spec amdxdna-uapi.md 5)
@@ -37,7 +37,6 @@ DEFAULT_EMU_PROFILE = "npu4"
 # newer drivers grow it contiguously up to 512 MiB (spec xrt-npu-sequence.md 1.2, amdxdna-uapi.md 4.4).
 HEAP_CHUNK_SIZE = 64 << 20
 HEAP_MAX_SIZE = 512 << 20
-_INVALID = (1 << 64) - 1
 
 _PERMISSION_HINT = ("add your user to the 'render' group (sudo usermod -aG render $USER, then log in again); "
                     "in a container pass --device /dev/accel/accel0 --group-add render")
@@ -690,6 +689,7 @@ def open_device(spec: Any = None) -> Device:
     variable ``AMDXDNA_DEVICE`` if set, else the first ``/dev/accel/accel*`` bound to amdxdna.
 
     Raises:
+        TypeError, ValueError: an unsupported ``spec`` or an unknown emulator profile.
         NoDeviceError: nothing to open (the message says how to use the emulator), or not amdxdna.
         PermissionDeniedError: the node exists but may not be opened (the message gives the fix).
         XdnaError: another failure while opening.
@@ -697,9 +697,13 @@ def open_device(spec: Any = None) -> Device:
     if spec is None:
         spec = os.environ.get("AMDXDNA_DEVICE") or _discover()
     if isinstance(spec, str) and (spec == "emu" or spec.startswith("emu:")):
-        from .emu import EmuDevice
+        from .emu import PROFILES, EmuDevice
 
-        emu = EmuDevice(spec.partition(":")[2] or DEFAULT_EMU_PROFILE)
+        profile = spec.partition(":")[2] or DEFAULT_EMU_PROFILE
+        if profile not in PROFILES:
+            raise ValueError(f"open_device({spec!r}): unknown emulator profile {profile!r} "
+                             f"(profiles: {', '.join(sorted(PROFILES))})")
+        emu = EmuDevice(profile)
         try:
             return Device(emu.open(), emulator=emu, owns_emulator=True)
         except BaseException:

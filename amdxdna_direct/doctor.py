@@ -100,10 +100,19 @@ class Identity:
     name: str
 
     @classmethod
-    def current(cls) -> Identity:
-        """The identity of this process (effective uid, effective and supplementary groups)."""
-        gids = frozenset([os.getegid(), *os.getgroups()])
-        return cls(uid=os.geteuid(), gids=gids, name=f"uid {os.geteuid()}")
+    def current(cls, root: Path = Path("/")) -> Identity:
+        """This process: effective uid, effective and supplementary groups; the name from ``root/etc/passwd``.
+
+        Without a passwd entry the name is ``$USER``, so that a fix such as ``usermod -aG render $USER``
+        stays a working command.
+        """
+        uid = os.geteuid()
+        try:
+            rows = _read_colon_file(root / "etc/passwd", "user lookup")
+        except LookupError:
+            rows = []
+        name = next((row[0] for row in rows if len(row) > 2 and row[2] == str(uid)), "$USER")
+        return cls(uid=uid, gids=frozenset([os.getegid(), *os.getgroups()]), name=name)
 
     @classmethod
     def lookup(cls, root: Path, user: str) -> Identity:
@@ -154,7 +163,7 @@ class Host:
             LookupError: ``user`` is not known under ``root/etc/passwd``.
         """
         base = Path(root)
-        identity = Identity.lookup(base, user) if user is not None else Identity.current()
+        identity = Identity.lookup(base, user) if user is not None else Identity.current(base)
         return cls(root=base, identity=identity, impersonated=user is not None, cap_ipc_lock=_has_cap_ipc_lock())
 
     def path(self, absolute: str | os.PathLike[str]) -> Path:

@@ -160,6 +160,7 @@ class Run:
         self.elapsed: float | None = None
         self._t0 = 0.0
         self._clobbered = False
+        self._in_flight = False
         ctx.track(self)
 
     def _encode(self) -> None:
@@ -202,8 +203,11 @@ class Run:
         """
         self.ctx.check_open("EXEC_CMD")
         with self._lock:
+            if self._in_flight:
+                raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
             self.restore()
             self.seq = _submit(self.ctx, self._exec, self.packet.handle)
+            self._in_flight = True
             self._t0 = time.perf_counter()
             self.elapsed = None
         return self
@@ -211,8 +215,9 @@ class Run:
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the last submission and check its state; returns ``ERT_CMD_STATE_COMPLETED``.
 
-        Always one SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on
-        the context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
+        One SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on the
+        context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
+        A second ``wait`` after completion re-checks the state without an ioctl.
 
         Raises:
             CommandTimeout: the wait expired (``state`` is the live one) or the driver's TDR marked the
@@ -223,8 +228,10 @@ class Run:
         with self._lock:
             if self.seq is None:
                 raise RuntimeError(f"Run of {self.kernel.name} was never started")
-            _wait_seq(self.ctx, self._wait, self.seq, timeout, self.kernel.name)
-            self.elapsed = time.perf_counter() - self._t0
+            if self._in_flight:
+                _wait_seq(self.ctx, self._wait, self.seq, timeout, self.kernel.name)
+                self._in_flight = False
+                self.elapsed = time.perf_counter() - self._t0
             state = self.state
             if state == cmd.ERT_CMD_STATE_COMPLETED:
                 return state
@@ -446,6 +453,8 @@ class RunList:
         self.states[chain.first:chain.first + n] = ([cmd.ERT_CMD_STATE_COMPLETED] * error_index + [state]
                                                     + [cmd.ERT_CMD_STATE_ABORT] * (n - error_index - 1))
         chain.failed = True
+        for sub in chain.runs:
+            sub._clobbered = True   # a later standalone start() must rebuild the packet too
         run = chain.runs[error_index]
         index = chain.first + error_index
         # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).

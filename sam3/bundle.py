@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from amdxdna_direct.xclbin import Xclbin, XclbinError
 from sam3.pack import BF16_BYTES, ConvGeometry, Layout, parse_layout
 
 MANIFEST = "manifest.json"
@@ -128,6 +129,7 @@ class Bundle:
         self.gemms = gemms
         self.mhas = mhas
         self.ops = ops
+        self._parsed: dict[Path, Xclbin] = {}
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Bundle:
@@ -152,6 +154,7 @@ class Bundle:
         mhas = {h.key: h for h in (_load_mha(root, e, seen) for e in _entries(doc, "mhas"))}
         ops = {o.key: o for o in (_load_op(root, e, seen) for e in _entries(doc, "ops"))}
         bundle = cls(root, target, xclbins, gemms, mhas, ops)
+        bundle._check_xclbins()
         bundle._check_streams()
         bundle._check_weights()
         return bundle
@@ -194,10 +197,31 @@ class Bundle:
             raise BundleError(f"bundle {self.root} targets {self.target} ({want.upper()}) but the device is "
                               f"{device} ({(have or 'unknown generation').upper()})", field="target")
 
+    def xclbin(self, key: str) -> Xclbin:
+        """The parsed xclbin of kernel `key` (parsed once per file at load).
+
+        Raises:
+            KeyError: no kernel `key` in the bundle.
+        """
+        return self._parsed[self.kernel(key).xclbin]
+
     def _ctx_id(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
 
     # -- cross-file checks ----------------------------------------------------------------------
+
+    def _check_xclbins(self) -> None:
+        """Each kernel's xclbin parses and carries a PDI for the kernel name it is opened with."""
+        for key in self.keys():
+            k = self.kernel(key)
+            field = "ctx" if key in self.gemms else "xclbin"
+            try:
+                if k.xclbin not in self._parsed:
+                    self._parsed[k.xclbin] = Xclbin.load(k.xclbin)
+                self._parsed[k.xclbin].pdi_for(k.name)
+            except XclbinError as e:
+                raise BundleError(f"{key}.{field}: {k.ctx} is not a usable xclbin for kernel {k.name!r}: {e}",
+                                  key, field) from e
 
     def _check_streams(self) -> None:
         """Each instruction stream is a TXN stream for the bundle's target (spec/xrt-npu-sequence.md 2.3)."""

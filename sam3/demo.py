@@ -86,7 +86,14 @@ def _check_geometry(bundle: Bundle, g: Geometry) -> None:
 
 
 class Demo:
-    """Runs the demo's stages on an open `Npu` and records them (see module docstring)."""
+    """Runs the demo's stages on an open `Npu` and records them (see module docstring).
+
+    Uploads the block's weights from the bundle; `matrix` holds them as the `[k][n]` float32 matrices
+    the references use (exactly the bf16 values the device reads).
+
+    Raises:
+        BundleError: the bundle ships no weights for a block GEMM.
+    """
 
     def __init__(self, npu: Npu, g: Geometry, seed: int = 0, say: Callable[[str], None] = lambda m: None):
         self.npu, self.g, self.say = npu, g, say
@@ -113,7 +120,13 @@ class Demo:
 
     def gemm(self, name: str, key: str, a: np.ndarray | None, rows: int,
               src: Any = None) -> tuple[Any, np.ndarray, Stage]:
-        """One GEMM stage: push A (unless chained on `src`), run every chunk, pull C; returns (io, C floats)."""
+        """One GEMM stage: push A (unless chained on `src`), run every chunk, pull C.
+
+        Returns (io, C as float32 `[rows][n]`, the stage record).
+
+        Raises:
+            NpuError: the kernel failed to load or run.
+        """
         npu = self.npu
         io = npu.io_chained(key, src) if src is not None else npu.io(key, rows)
         npu.prepare(io, self.w[key])
@@ -125,7 +138,11 @@ class Demo:
         return io, out, st
 
     def block(self) -> None:
-        """The ViT block, stage by stage, then the end-to-end check."""
+        """The ViT block, stage by stage, the end-to-end check, then the global attention kernel.
+
+        Raises:
+            NpuError: a kernel failed to load or run.
+        """
         g, npu = self.g, self.npu
         t = g.tokens
         x = self.rng.standard_normal((t, g.width), dtype=np.float32)
@@ -161,7 +178,12 @@ class Demo:
         self._global_attention(q, k, v)
 
     def window_attention(self, qkv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Windowed MHA over the QKV output: windows and heads split on the host, all windows in one chain."""
+        """Windowed MHA over the QKV output (`[tokens][3*width]`): windows and heads split on the host, all
+        windows in one chain. Returns (attention output `[tokens][width]`, q, k, v).
+
+        Raises:
+            NpuError: the kernel failed to load or run.
+        """
         g, npu = self.g, self.npu
         hh, ww = g.grid
         q, k, v = (qkv[:, i * g.width : (i + 1) * g.width] for i in range(3))
@@ -206,7 +228,12 @@ class Demo:
 
     def convs(self, only: Sequence[str] | None = None) -> None:
         """Every neck convolution (or those in `only`): Y built on the host, the overlapping-row GEMM on the
-        device, the three kernel rows summed on the host."""
+        device, the three kernel rows summed on the host.
+
+        Raises:
+            BundleError: the bundle ships no weights for a conv.
+            NpuError: the kernel failed to load or run.
+        """
         npu = self.npu
         for c in self.g.convs:
             if only is not None and c.key not in only:
@@ -230,7 +257,14 @@ class Demo:
 
 
 def _default_device() -> Device:
-    """A real NPU if one is present (or AMDXDNA_DEVICE names one), else the emulator."""
+    """AMDXDNA_DEVICE when set; else a real NPU if one is present, else the emulator (the JSON and the
+    table name the device used).
+
+    Raises:
+        XdnaError: the device named by AMDXDNA_DEVICE cannot be opened, or a present NPU refused.
+    """
+    if os.environ.get("AMDXDNA_DEVICE"):
+        return open_device(None)
     try:
         return open_device(None)
     except errors.NoDeviceError:
@@ -257,6 +291,9 @@ def run_demo(preset: str = "tiny", device: Any = None, bundle: str | os.PathLike
     say = _progress(progress)
     dev = _default_device() if device is None else open_device(device)
     try:
+        if bundle is None and dev.emulator is None:
+            raise NpuError(f"{dev.name} is a real NPU: pass --bundle DIR with compiled kernels (a built bundle "
+                           f"carries placeholder PDIs that only the emulator runs)")
         if bundle is None:
             say(f"building the {preset} bundle for {device_generation(dev)} (cached)")
             root = build_cached(_cache_dir(), preset, device_generation(dev), seed)

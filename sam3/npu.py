@@ -29,12 +29,13 @@ from amdxdna_direct.bo import FROM_DEVICE, Bo
 from amdxdna_direct.device import Device, open_device
 from amdxdna_direct.hwctx import HwContext
 from amdxdna_direct.kernel import RunList
-from amdxdna_direct.xclbin import Xclbin
 from sam3.bundle import Bundle, GemmSpec, MhaSpec, OpSpec
 from sam3.pack import BF16_BYTES, ConvGeometry, copy_wide, round_up, to_bf16
 
 ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
 EVICTION_POLICIES = ("lru", "drain")
+# How a host wait for a command reaches the driver (spec/xrt-npu-sequence.md 1.9).
+WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
 
 # GET_INFO-free identification of the NPU generation (spec/amdxdna-uapi.md 8): PCI id and revision.
 _PCI_GENERATIONS = {(0x1502, 0x00): "npu1", (0x17F0, 0x10): "npu4", (0x17F0, 0x11): "npu5", (0x17F0, 0x20): "npu6"}
@@ -111,9 +112,8 @@ class Io:
     Keeps the prepared command of every chunk per weight buffer, so a repeated stage only submits.
     """
 
-    def __init__(self, npu: Npu, spec: GemmSpec, a: Bo, c: Bo, chunks: list[tuple[Bo, Bo]], rows: int,
+    def __init__(self, spec: GemmSpec, a: Bo, c: Bo, chunks: list[tuple[Bo, Bo]], rows: int,
                  chained_from: str | None = None):
-        self.npu = npu
         self.key = spec.key
         self.spec = spec
         self.a = a
@@ -342,7 +342,6 @@ class Npu:
         self.mhas: dict[str, MhaSpec] = dict(self.bundle.mhas)
         self.ops: dict[str, OpSpec] = dict(self.bundle.ops)
         self._sources = {key: self._source(key) for key in self.bundle.keys()}
-        self._xclbins: dict[str, Any] = {}
         self._contexts: dict[str, HwContext] = {}
         self._kernels: dict[str, Any] = {}
         self._epochs: Counter[str] = Counter()
@@ -350,7 +349,6 @@ class Npu:
         self.lru: list[str] = []
         self.loads = 0
         self.evictions = 0
-        self.waits = 0
         self.stages: list[Stage] = []
         if self.device.emulator is not None:
             self._bind_models()
@@ -402,15 +400,13 @@ class Npu:
                 self._try_load(key)
             except errors.ContextUnavailableError:
                 break
-            except errors.XdnaError as e:
+            except (errors.XdnaError, ValueError) as e:  # ValueError: the xclbin's kernel is unusable
                 raise NpuError(f"loading {key}: {e}", key) from e
 
     def _try_load(self, key: str) -> None:
         src = self._sources[key]
         if src.ctx not in self._contexts:
-            if src.ctx not in self._xclbins:
-                self._xclbins[src.ctx] = Xclbin.load(src.xclbin)
-            self._contexts[src.ctx] = self.device.hw_context(self._xclbins[src.ctx], kernel=src.name)
+            self._contexts[src.ctx] = self.device.hw_context(self.bundle.xclbin(key), kernel=src.name)
             self._epochs[src.ctx] += 1
             self.lru.append(src.ctx)
             self.loads += 1
@@ -437,7 +433,7 @@ class Npu:
             except errors.ContextUnavailableError as e:
                 if not self._make_room(src.ctx):
                     raise NpuError(f"{key}: no hardware context available: {e}", key) from e
-            except errors.XdnaError as e:
+            except (errors.XdnaError, ValueError) as e:
                 raise NpuError(f"loading {key}: {e}", key) from e
 
     def _make_room(self, keep: str) -> bool:
@@ -455,7 +451,10 @@ class Npu:
             del self._kernels[key]
         self._arg_runs = {k: v for k, v in self._arg_runs.items() if self._sources[k[0]].ctx != ctx}
         self.evictions += 1
-        self._contexts.pop(ctx).close()
+        try:
+            self._contexts.pop(ctx).close()
+        except errors.XdnaError as e:
+            raise NpuError(f"evicting context {ctx}: {e}") from e
 
     @property
     def resident(self) -> list[str]:
@@ -517,7 +516,7 @@ class Npu:
         c = self.device.bo(rows * g.n * BF16_BYTES)
         a_step, c_step = g.m * g.k * BF16_BYTES, g.m * g.n * BF16_BYTES
         chunks = [(a.sub(i * a_step, a_step), c.sub(i * c_step, c_step)) for i in range(rows // g.m)]
-        return Io(self, g, a, c, chunks, rows)
+        return Io(g, a, c, chunks, rows)
 
     def io_chained(self, key: str, src: Io) -> Io:
         """Operands of GEMM `key` whose A is `src`'s C, read in place (spec 3).
@@ -534,7 +533,7 @@ class Npu:
         c = self.device.bo(src.rows * g.n * BF16_BYTES)
         a_step, c_step = g.m * g.k * BF16_BYTES, g.m * g.n * BF16_BYTES
         chunks = [(src.c.sub(i * a_step, a_step), c.sub(i * c_step, c_step)) for i in range(src.rows // g.m)]
-        return Io(self, g, a, c, chunks, src.rows, chained_from=src.key)
+        return Io(g, a, c, chunks, src.rows, chained_from=src.key)
 
     def conv_io(self, key: str, h: int, w: int) -> Io:
         """Operands of the overlapping-row 3x3 convolution `key` for an `h x w` map (spec 4).
@@ -558,7 +557,7 @@ class Npu:
         ext = ((g.m - 1) * g.lda + g.k) * BF16_BYTES
         a_step, c_step = g.m * g.lda * BF16_BYTES, g.m * g.n * BF16_BYTES
         chunks = [(a.sub(i * a_step, ext), c.sub(i * c_step, c_step)) for i in range(rows // g.m)]
-        return Io(self, g, a, c, chunks, rows)
+        return Io(g, a, c, chunks, rows)
 
     def conv_geometry(self, key: str) -> ConvGeometry:
         """D, P, Cout of conv GEMM `key`.
@@ -685,7 +684,6 @@ class Npu:
             unit.start()
         except errors.XdnaError as e:
             raise NpuError(f"{key}: submitting {chunks} chunk(s) failed: {e}", key) from e
-        self.waits += 1
         try:
             unit.wait(self.timeout)
         except errors.CommandError as e:
@@ -699,17 +697,19 @@ class Npu:
 
     @contextmanager
     def stage(self, name: str, kind: str, rows: int = 0, chunks: int = 0) -> Iterator[Stage]:
-        """Measures what the body costs (EXEC_CMDs, waits, bytes in/out, wall time) into a `Stage`,
-        appended to `stages` when the body ends without error."""
+        """Measures what the body costs into a `Stage`, appended to `stages` when the body ends without
+        error: EXEC_CMD ioctls, wait ioctls (SYNCOBJ_TIMELINE_WAIT or WAIT_CMD), bytes copied into and
+        out of buffers (all deltas of `Device.stats`) and wall time."""
         record = Stage(name, kind, rows, chunks)
-        before, waits, start = Counter(self.device.stats), self.waits, time.perf_counter()
+        before, start = Counter(self.device.stats), time.perf_counter()
         yield record
-        after = self.device.stats
+        delta = Counter(self.device.stats)
+        delta.subtract(before)
         record.seconds = time.perf_counter() - start
-        record.exec_cmds = after["EXEC_CMD"] - before["EXEC_CMD"]
-        record.waits = self.waits - waits
-        record.bytes_in = after["bytes_in"] - before["bytes_in"]
-        record.bytes_out = after["bytes_out"] - before["bytes_out"]
+        record.exec_cmds = delta["EXEC_CMD"]
+        record.waits = sum(delta[name] for name in WAIT_IOCTLS)
+        record.bytes_in = delta["bytes_in"]
+        record.bytes_out = delta["bytes_out"]
         self.stages.append(record)
 
     # -- teardown ----------------------------------------------------------------------------

@@ -374,3 +374,12 @@ def test_kernel_log_permission_denied_names_root(tmp_path):
     os.chmod(host.root / "dev/kmsg", 0)
     result = doctor.check_kernel_log(host)
     assert result.status == SKIP and "EACCES" in result.detail and result.fix.startswith("run as root")
+
+
+def test_current_identity_is_named_from_the_roots_passwd(tmp_path):
+    root = make_tree(tmp_path)
+    assert Identity.current(root).name == "$USER"  # this process's uid is not in the fake passwd
+    with open(root / "etc/passwd", "a") as passwd:
+        passwd.write(f"carol:x:{os.geteuid()}:{os.getegid()}::/home/carol:/bin/sh\n")
+    me = Identity.current(root)
+    assert (me.name, me.uid) == ("carol", os.geteuid()) and os.getegid() in me.gids

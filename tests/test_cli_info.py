@@ -90,3 +90,23 @@ def test_missing_node_exits_1(tmp_path, capsys):
     assert main(["info", "--device", str(tmp_path / "accel9")]) == 1
     err = capsys.readouterr().err
     assert "ENOENT" in err and "accel9" in err
+
+
+def test_pci_identity_from_sysfs(tmp_path):
+    # The layout of spec 8 / xrt-npu-sequence 1.1: /sys/class/accel/accelN/device -> the PCI device directory.
+    pci = tmp_path / "sys/devices/pci0000:00/0000:00:08.2/0000:c6:00.1"
+    pci.mkdir(parents=True)
+    for name, value in (("vendor", "0x1022"), ("device", "0x17f0"), ("revision", "0x20"), ("vbnv", "RyzenAI-npu6"),
+                        ("fw_version", "1.1.2.64"), ("device_type", "0")):
+        (pci / name).write_text(value + "\n")
+    (tmp_path / "sys/bus/pci/drivers/amdxdna").mkdir(parents=True)
+    (pci / "driver").symlink_to(tmp_path / "sys/bus/pci/drivers/amdxdna")
+    (tmp_path / "sys/class/accel/accel1").mkdir(parents=True)
+    (tmp_path / "sys/class/accel/accel1/device").symlink_to(pci)
+    found = info_cmd.sysfs_pci(tmp_path, "accel1")
+    assert found == {"source": "/sys/class/accel/accel1/device", "slot": "0000:c6:00.1", "vendor": "1022",
+                     "device": "17f0", "revision": "20", "generation": "npu6", "vbnv": "RyzenAI-npu6",
+                     "fw_version": "1.1.2.64", "device_type": "KMQ", "driver": "amdxdna"}
+    text = info_cmd._format_pci(found)
+    assert text == "0000:c6:00.1 1022:17f0 rev 20, npu6, RyzenAI-npu6, KMQ (from /sys/class/accel/accel1/device)"
+    assert info_cmd.sysfs_pci(tmp_path, "accel7")["generation"] is None  # no such node: nothing invented

@@ -104,3 +104,15 @@ def test_parse_line_success_and_failure():
     assert parse_fields("name=b'amdxdna', len=-1") == {"name": "b'amdxdna'", "len": -1}
     assert summarise([ok, bad, bad]) == {"CREATE_HWCTX": {"count": 1, "errors": 0, "total_ms": pytest.approx(0.0412)},
                                          "EXEC_CMD": {"count": 2, "errors": 2, "total_ms": pytest.approx(0.006)}}
+
+
+def test_output_file_that_cannot_be_written(tmp_path, capsys):
+    rc = main(["trace", "-o", str(tmp_path / "missing-dir" / "t.txt"), "--", sys.executable, "-c", "pass"])
+    assert rc == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_signal_exit_status(tmp_path):
+    script = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert main(["trace", "--no-log", "-o", str(tmp_path / "t.txt"), "--", sys.executable, "-c", script]) == 128 + 15
+    assert "was killed by signal 15" in (tmp_path / "t.txt").read_text()

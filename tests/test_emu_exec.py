@@ -21,8 +21,29 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from emu_raw import (
+    BO_CMD,
+    BO_SHMEM,
+    ERT_CMD_CHAIN,
+    ERT_START_CU,
+    ERT_START_NPU,
+    ERT_STATE_ABORT,
+    ERT_STATE_COMPLETED,
+    ERT_STATE_ERROR,
+    ERT_STATE_NEW,
+    ERT_STATE_TIMEOUT,
+    Raw,
+    UserMem,
+    call,
+    ert_header,
+    read_addr,
+    write_addr,
+)
+from hypothesis import given
+from hypothesis import strategies as st
 
-from amdxdna_direct.emu import txn
+from amdxdna_direct.emu import EmuDevice, txn
+from amdxdna_direct.emu.firmware import MalformedCommand, decode_header, read_packet
 from amdxdna_direct.emu.memory import DeviceFault
 from amdxdna_direct.emu.models import Elementwise, Gemm, Mha, ModelRegistry, Passthrough, stream_digest
 
@@ -92,8 +113,8 @@ def test_txn_walk_npu2_fixture_and_generation_check():
     (lambda w: w.__setitem__(6, 0x2001D000), "outside the 1-column partition"),
 ])
 def test_txn_walk_rejects_malformed(mutate, message):
-    words = list(struct.unpack("<4I", txn_stream(3, [(0, 64)])[:16])) + list(
-        struct.unpack_from(f"<{(len(txn_stream(3, [(0, 64)])) - 16) // 4}I", txn_stream(3, [(0, 64)]), 16))
+    data = txn_stream(3, [(0, 64)])     # words 4-9 WRITE32, 10-21 BLOCKWRITE, 22-33 DDR_PATCH, 34-39, 40-43 sync
+    words = list(struct.unpack(f"<{len(data) // 4}I", data))
     mutate(words)
     with pytest.raises(txn.TxnError, match=message):
         txn.walk(struct.pack(f"<{len(words)}I", *words), dev_gen=3)
@@ -278,26 +299,6 @@ def test_registry_binding_rules():
 # Driving the emulated device with raw ioctls
 # --------------------------------------------------------------------------------------------------
 
-from emu_raw import (  # noqa: E402  (the helpers live next to this file)
-    BO_CMD,
-    BO_SHMEM,
-    ERT_CMD_CHAIN,
-    ERT_START_CU,
-    ERT_START_NPU,
-    ERT_STATE_ABORT,
-    ERT_STATE_COMPLETED,
-    ERT_STATE_ERROR,
-    ERT_STATE_NEW,
-    ERT_STATE_TIMEOUT,
-    Raw,
-    UserMem,
-    call,
-    ert_header,
-    read_addr,
-    write_addr,
-)
-
-from amdxdna_direct.emu import EmuDevice  # noqa: E402
 
 ERT_START_DPU = 18
 ZERO_LIVE = {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
@@ -900,3 +901,19 @@ def test_counters_back_at_zero_after_device_close_with_jobs_in_flight():
     with pytest.raises(OSError) as err:
         npu.dev.open()
     assert err.value.errno == errno.ENODEV
+
+
+@given(state=st.integers(0, 15), extra=st.integers(0, 3), count=st.integers(0, 2047), opcode=st.integers(0, 31),
+       size=st.integers(4, 9000))
+def test_packet_header_fields_and_validity(state, extra, count, opcode, size):
+    """Spec 6.1: fields at 3:0, 11:10, 22:12, 27:23; valid iff count > mask words and 4*count + 4 <= BO size."""
+    header = ert_header(opcode, count, extra_cu_masks=extra, state=state) | 0x3 << 28
+    assert decode_header(header) == (state, extra, count, opcode)
+    mem = memoryview(bytearray(struct.pack("<I", header) + bytes(size - 4)))
+    masks = 0 if opcode == ERT_CMD_CHAIN else 1 + extra
+    if count > masks and 4 * count + 4 <= size:
+        packet_ = read_packet(mem)
+        assert (len(packet_.masks), len(packet_.payload)) == (masks, 4 * (count - masks))
+    else:
+        with pytest.raises(MalformedCommand):
+            read_packet(mem)

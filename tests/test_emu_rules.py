@@ -307,6 +307,12 @@ def test_rule_D8(raw):
                        .ljust(size, b"\0"))
     for size in (32, 40):
         raw.seam.ioctl(ioc(IOWR, 0xC3, size), pack("syncobj_wait", handles.addr, now, 1, 0, 0).ljust(size, b"\0"))
+    # Binary RESET drops the fence (nothing to wait on), SIGNAL installs a signalled one.
+    call(raw.seam, "SYNCOBJ_RESET", handles.addr, 1, 0)
+    assert errno_of(timeline_wait, raw, empty, 0, now) == errno.EINVAL
+    call(raw.seam, "SYNCOBJ_SIGNAL", handles.addr, 1, 0)
+    timeline_wait(raw, empty, 0, now)
+    assert errno_of(call, raw.seam, "SYNCOBJ_SIGNAL", handles.addr, 0, 0) == errno.EINVAL     # count 0
     call(raw.seam, "SYNCOBJ_DESTROY", empty, 0)
     assert errno_of(call, raw.seam, "SYNCOBJ_DESTROY", empty, 0) == errno.EINVAL
 
@@ -852,3 +858,42 @@ def test_profiles_and_options():
         EmuDevice("npu4", expandable_heap=True)
     with pytest.raises(KeyError):
         EmuDevice("npu9")
+
+
+def test_layouts_match_the_abi_facts():
+    from amdxdna_direct.emu import layouts
+
+    facts = {}
+    for name in ("abi-facts-amdxdna.txt", "abi-facts-drm.txt"):
+        path = SHARED / "spec" / name
+        if not path.is_file():
+            pytest.skip(f"spec absent: {path}")
+        for line in path.read_text().splitlines():
+            if line.startswith("struct ") and " size=" in line:
+                struct_name, size = line[len("struct "):].split(" size=")
+                facts[struct_name] = int(size)
+    # The facts hold the staging/OOT 160-byte hwctx_entry and the pre-deadline DRM wait structs; the
+    # emulator models the mainline 144-byte entry and the newer wait structs (spec 2.5, 5).
+    newer = {"amdxdna_drm_hwctx_entry": 144, "drm_syncobj_wait": 40, "drm_syncobj_timeline_wait": 48}
+    checked = 0
+    for layout in vars(layouts).values():
+        if isinstance(layout, layouts.Layout) and layout.name in facts:
+            assert layout.size == newer.get(layout.name, facts[layout.name]), layout.name
+            checked += 1
+    assert checked >= 30
+
+
+def test_raw_request_numbers_match_the_abi_facts():
+    facts = {}
+    for name in ("abi-facts-amdxdna.txt", "abi-facts-drm.txt"):
+        path = SHARED / "spec" / name
+        if not path.is_file():
+            pytest.skip(f"spec absent: {path}")
+        facts.update(line.split("=") for line in path.read_text().splitlines() if line.startswith("DRM_IOCTL_"))
+    prefixes = ("DRM_IOCTL_AMDXDNA_", "DRM_IOCTL_")
+    checked = 0
+    for full, value in facts.items():
+        name = next(full[len(p):] for p in prefixes if full.startswith(p))
+        assert request(name) == int(value, 16), full
+        checked += 1
+    assert checked == 22

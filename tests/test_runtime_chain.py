@@ -20,6 +20,8 @@ def _setup(dev, fixture, n):
     stream = (fixture / "insts.bin").read_bytes()
     if dev.emulator is not None:
         dev.emulator.models.bind(stream, Passthrough())
+    elif txn_dev_gen(dev) != 3:
+        pytest.skip("the npu1_1col fixture needs an NPU1 (Phoenix / Hawk Point)")
     ctx = dev.hw_context(Xclbin.load(fixture / "aie.xclbin"))
     kernel = ctx.kernel()
     a, c = dev.bo(n * SLOT_IN), dev.bo(n * SLOT_OUT)
@@ -85,7 +87,9 @@ def test_failing_run_inside_a_chain_is_reported_with_its_index(device, npu1_fixt
     assert rl.states[24:37] == [cmd.ERT_CMD_STATE_COMPLETED] * 13
     assert rl.states[37] == cmd.ERT_CMD_STATE_ERROR
     assert rl.states[38:48] == [cmd.ERT_CMD_STATE_ABORT] * 10
-    # After the failure the driver 0xFF-filled a payload: restarting rebuilds it and everything completes.
+    # After the failure the driver 0xFF-filled a payload: restarting rebuilds it and everything completes,
+    # and the runs of the failed chain also work on their own again.
+    assert runs[24].start().wait(30) == cmd.ERT_CMD_STATE_COMPLETED
     assert rl.start().wait(60) == [cmd.ERT_CMD_STATE_COMPLETED] * 100
     c.sync()
     np.testing.assert_array_equal(c.array().reshape(100, SLOT_OUT), expected)

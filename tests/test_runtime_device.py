@@ -56,9 +56,21 @@ def test_permission_denied_gives_the_fix(monkeypatch):
     assert "EACCES" in text and "render" in text and "--device /dev/accel/accel0" in text
 
 
+def test_no_device_without_env_explains_the_emulator(monkeypatch):
+    import glob
+
+    if glob.glob("/dev/accel/accel*"):
+        pytest.skip("this machine has accel nodes")
+    monkeypatch.delenv("AMDXDNA_DEVICE", raising=False)
+    with pytest.raises(errors.NoDeviceError, match=r"open_device\(\('emu'\)|AMDXDNA_DEVICE=emu"):
+        open_device()
+
+
 def test_open_device_rejects_other_types():
     with pytest.raises(TypeError, match="expected 'emu'"):
         open_device(42)
+    with pytest.raises(ValueError, match="unknown emulator profile 'npu9'.*npu1"):
+        open_device("emu:npu9")
 
 
 class _OtherDriver(RecordingSeam):

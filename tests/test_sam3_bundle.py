@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from amdxdna_direct import xclbin
 from sam3.bundle import Bundle, BundleError
+
+_XCLBIN = xclbin.write(xclbin.build_mlir_aie(b"\x01" * 64))  # a well-formed mlir-aie xclbin (kernel MLIR_AIE)
 
 
 def _txn(gen: int) -> bytes:
@@ -41,7 +44,7 @@ def _write(root: Path, manifest: dict, gen: int = 4) -> Path:
     for sub in ("xclbin", "insts"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     for name in ("gemm", "mha", "ew"):
-        (root / "xclbin" / f"{name}.xclbin").write_bytes(b"xclbin2\0")
+        (root / "xclbin" / f"{name}.xclbin").write_bytes(_XCLBIN)
     for key in ("blk0.qkv", "neck.conv", "blk0.attn", "blk0.gelu", "blk0.ln"):
         (root / "insts" / f"{key}.bin").write_bytes(_txn(gen))
     (root / "manifest.json").write_text(json.dumps(manifest))
@@ -176,3 +179,14 @@ def test_weights_checked(tmp_path):
     with pytest.raises(BundleError, match="has 10 bytes") as e:
         Bundle.load(tmp_path)
     assert (e.value.key, e.value.field) == ("blk0.qkv", "b_bytes")
+
+
+def test_xclbin_must_parse_and_hold_the_kernel(tmp_path):
+    _write(tmp_path, _manifest())
+    (tmp_path / "xclbin" / "mha.xclbin").write_bytes(b"xclbin2\0" + bytes(8))
+    with pytest.raises(BundleError, match=r"blk0\.attn\.xclbin: xclbin/mha\.xclbin is not a usable xclbin") as e:
+        Bundle.load(tmp_path)
+    assert (e.value.key, e.value.field) == ("blk0.attn", "xclbin")
+    m = _manifest()
+    m["xclbins"]["gemm"]["kernel"] = "OTHER"
+    _expect(tmp_path, m, "blk0.qkv", "ctx", "no kernel 'OTHER'")

@@ -8,6 +8,7 @@ import errno
 import numpy as np
 import pytest
 
+from amdxdna_direct import errors
 from amdxdna_direct.device import open_device
 from amdxdna_direct.emu import DeviceFault, EmuDevice
 from amdxdna_direct.emu.models import Gemm, stream_digest
@@ -255,3 +256,17 @@ def test_argument_errors(npu):
         npu.run_args("nope", [])
     with pytest.raises(ValueError, match="evict must be one of"):
         Npu(npu.bundle, npu.device, evict="fifo")
+
+
+def test_hung_stage_reports_timeout_with_key(tiny):
+    emu = EmuDevice("npu4", tdr_timeout=0.2)
+    try:
+        dev = open_device(emu)
+        with Npu(tiny, dev) as npu:
+            emu.faults.hang(tiny.gemms["blk0.fc1"].insts.read_bytes())
+            with pytest.raises(NpuError, match=r"blk0\.fc1: chunk 0 of 8 failed.*TIMEOUT") as e:
+                npu.run_synced(npu.io("blk0.fc1", 256), npu.weight_slot("blk0.fc1"))
+            assert isinstance(e.value.__cause__, errors.CommandTimeout)
+        dev.close()
+    finally:
+        emu.close()

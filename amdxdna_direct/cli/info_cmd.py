@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import doctor, open_device
+from ..device import Device
 from ..errors import XdnaError
 
-__all__ = ["collect", "format_info", "add_parser", "run"]
+__all__ = ["collect", "format_info", "sysfs_pci", "add_parser", "run"]
 
 NOT_SUPPORTED = "not supported by this driver"
 DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdxdna_device_type (spec 3)
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def collect(dev) -> dict[str, Any]:
+def collect(dev: Device) -> dict[str, Any]:
     """Everything ``info`` shows, as plain data; failed queries become ``{"error": message}``."""
     version = dev.version
     return {
@@ -71,8 +72,7 @@ def collect(dev) -> dict[str, Any]:
                    "feature_level": version.minor, "desc": version.desc, "date": version.date},
         "firmware": _query(lambda: str(dev.firmware_version())),
         "aie": _query(lambda: _aie(dev)),
-        "clocks": _query(lambda: {c.name: c.freq_mhz for c in (dev.clock_metadata().mp_npu_clock,
-                                                               dev.clock_metadata().h_clock)}),
+        "clocks": _query(lambda: _clocks(dev)),
         "power_mode": _query(lambda: dev.power_mode().name),
         "resources": _query(lambda: vars(dev.resource_info()).copy()),
         "contexts": _query(lambda: [vars(c).copy() for c in dev.hw_contexts()]),
@@ -86,15 +86,25 @@ def _query(fn: Callable[[], Any]) -> Any:
         return {"error": NOT_SUPPORTED if exc.errno == errno.EOPNOTSUPP else str(exc)}
 
 
-def _pci(dev) -> dict[str, Any]:
+def _clocks(dev: Device) -> dict[str, int]:
+    clocks = dev.clock_metadata()
+    return {c.name: c.freq_mhz for c in (clocks.mp_npu_clock, clocks.h_clock)}
+
+
+def _pci(dev: Device) -> dict[str, Any]:
     if dev.emulator is not None:
         profile = dev.emulator.profile
         return {"source": "emulator profile", "vendor": f"{doctor.AMD_VENDOR_ID:04x}",
                 "device": f"{profile.pci_device:04x}", "revision": f"{profile.pci_revision:02x}",
                 "generation": profile.name, "vbnv": profile.vbnv, "device_type": DEVICE_TYPES["0"]}
-    attributes = doctor.sysfs_attributes(Path("/"), Path(dev.name).name)
+    return sysfs_pci(Path("/"), Path(dev.name).name)
+
+
+def sysfs_pci(root: Path, accel_name: str) -> dict[str, Any]:
+    """The PCI identity of ``accelN`` from ``root/sys/class/accel/accelN/device`` (spec 8); missing items are None."""
+    attributes = doctor.sysfs_attributes(root, accel_name)
     device_id, revision = (_hex(attributes.get(k)) for k in ("device", "revision"))
-    found = {"source": f"/sys/class/accel/{Path(dev.name).name}/device", "slot": attributes.get("pci_slot"),
+    found = {"source": f"/sys/class/accel/{accel_name}/device", "slot": attributes.get("pci_slot"),
              "vendor": _hex4(attributes.get("vendor")), "device": _hex4(attributes.get("device")),
              "revision": f"{revision:02x}" if revision is not None else None,
              "generation": doctor.generation(device_id, revision or 0) if device_id is not None else None,
@@ -116,7 +126,7 @@ def _hex4(text: str | None) -> str | None:
     return f"{value:04x}" if value is not None else None
 
 
-def _aie(dev) -> dict[str, Any]:
+def _aie(dev: Device) -> dict[str, Any]:
     version, meta = dev.aie_version(), dev.aie_metadata()
     rows = {kind: {"row_start": t.row_start, "row_count": t.row_count, "dma_channels": t.dma_channel_count,
                    "locks": t.lock_count} for kind, t in (("shim", meta.shim), ("mem", meta.mem), ("core", meta.core))}

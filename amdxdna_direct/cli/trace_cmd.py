@@ -12,13 +12,16 @@ processes: count, errors and total time per ioctl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -153,17 +156,39 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, AMDXDNA_TRACE="1", PYTHONPATH=_python_path())
     if args.device is not None:
         env["AMDXDNA_DEVICE"] = args.device
-    with _open_output(args.output) as out:
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as exc:
+        print(f"amdxdna trace: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
         try:
             child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
         except OSError as exc:
             print(f"amdxdna trace: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
             return 1
-        live = None if args.json or args.no_log else out
-        records = _collect(child.stderr, live)
-        status = child.wait()
+        with _sigint_to_child():
+            records = _collect(child.stderr, None if args.json or args.no_log else out)
+            status = child.wait()
         _report(out, command, status, records, args.json)
+    finally:
+        if out is not sys.stdout:
+            out.close()
     return 128 - status if status < 0 else status
+
+
+@contextlib.contextmanager
+def _sigint_to_child() -> Iterator[None]:
+    """Ignore Ctrl-C here while the program runs: it reaches the program (same process group), which ends,
+    and the summary is still printed. Only the main thread may change signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _python_path() -> str:
@@ -171,25 +196,6 @@ def _python_path() -> str:
     package_parent = str(Path(__file__).resolve().parents[2])
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_parent]
     return os.pathsep.join([package_parent, *rest])
-
-
-class _open_output:
-    """stdout, or a file opened for writing; closed on exit only when it is a file."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.stream: IO[str] = sys.stdout
-
-    def __enter__(self) -> IO[str]:
-        if self.path is not None:
-            self.stream = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed in __exit__)
-        return self.stream
-
-    def __exit__(self, *exc_info) -> None:
-        if self.path is not None:
-            self.stream.close()
-        else:
-            self.stream.flush()
 
 
 def _collect(stderr: IO[bytes], live: IO[str] | None) -> list[TraceRecord]:
@@ -234,6 +240,7 @@ def _report(out: IO[str], command: list[str], status: int, records: list[TraceRe
         json.dump(document, out, indent=2)
         out.write("\n")
         return
-    print(f"-- {len(records)} ioctls traced; {command[0]} exited with status {status}", file=out)
+    ending = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+    print(f"-- {len(records)} ioctls traced; {command[0]} {ending}", file=out)
     if records:
         print(format_summary(table), file=out)
