@@ -32,24 +32,10 @@ from .insts import BlockWrite, DdrPatch
 from .xclbin import Xclbin, build_mlir_aie
 
 __all__ = [
-    "PASS",
-    "WARN",
-    "FAIL",
-    "SKIP",
-    "CheckResult",
-    "Identity",
-    "Host",
-    "MEMLOCK_NEEDED",
-    "find_nodes",
-    "node_path",
-    "sysfs_attributes",
-    "generation",
-    "check_node",
-    "check_permission",
-    "check_memlock",
-    "check_kernel_log",
-    "parse_kernel_log",
-    "read_kernel_log",
+    "PASS", "WARN", "FAIL", "SKIP", "DEVICE_CHECKS", "MEMLOCK_NEEDED", "CheckResult", "Identity", "Host",
+    "find_nodes", "node_path", "sysfs_attributes", "generation", "device_generation", "is_emulated", "bind_model",
+    "check_node", "check_permission", "check_memlock", "check_kernel_log", "parse_kernel_log", "read_kernel_log",
+    "check_feature_level", "check_firmware", "check_contexts", "check_self_test", "run_checks", "worst",
 ]
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
