@@ -238,7 +238,7 @@ class Demo:
         for c in self.g.convs:
             if only is not None and c.key not in only:
                 continue
-            packed, spec = _gemm_weight(npu.bundle, c.key)
+            packed, _ = _gemm_weight(npu.bundle, c.key)
             weight = pack.unpack_conv3x3(packed, c.channels, c.p, c.cout)
             wbo = npu.upload(packed)
             x = pack.round_bf16(self.rng.standard_normal((c.h, c.w, c.channels), dtype=np.float32))

@@ -585,11 +585,21 @@ class Npu:
         return MhaIo(self.mhas[key], [self.device.bo(batch * item) for _ in range(4)], batch, item)
 
     def push(self, src: np.ndarray, bo: Bo, offset: int = 0) -> int:
-        """`push` (module function) on this NPU's device."""
+        """The module-level `push` (the seed's `push`, kept as a method for callers holding an `Npu`).
+
+        Raises:
+            ValueError: `src` does not fit.
+            XdnaError: SYNC_BO failed.
+        """
         return push(src, bo, offset)
 
     def pull(self, bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndarray:
-        """`pull` (module function) on this NPU's device."""
+        """The module-level `pull`.
+
+        Raises:
+            ValueError: the range is outside the buffer.
+            XdnaError: SYNC_BO failed.
+        """
         return pull(bo, count, dtype, offset)
 
     # -- running -----------------------------------------------------------------------------
