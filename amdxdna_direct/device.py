@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
     "ClockMetadata", "FirmwareVersion", "HwContextInfo", "PowerMode", "ResourceInfo", "HeapChunk",
-    "BoInfo", "DeviceFile", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE",
+    "BoInfo", "DeviceFile", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE", "PCI_GENERATIONS", "TXN_DEV_GEN",
+    "pci_generation",
 ]
 
 DRIVER_NAME = "amdxdna_accel_driver"  # DRM_IOCTL_VERSION name (spec amdxdna-uapi.md 5)
@@ -37,11 +38,21 @@ DEFAULT_EMU_PROFILE = "npu4"
 # newer drivers grow it contiguously up to 512 MiB (spec xrt-npu-sequence.md 1.2, amdxdna-uapi.md 4.4).
 HEAP_CHUNK_SIZE = 64 << 20
 HEAP_MAX_SIZE = 512 << 20
+# (PCI device id, revision) -> NPU generation, the driver's PCI table (spec xrt-npu-sequence.md 1.1).
+PCI_GENERATIONS = {(0x1502, 0x00): "npu1", (0x17F0, 0x10): "npu4", (0x17F0, 0x11): "npu5", (0x17F0, 0x20): "npu6"}
+# TXN header dev_gen an instruction stream must carry for each generation (spec xrt-npu-sequence.md 2.3, 4).
+TXN_DEV_GEN = {"npu1": 3, "npu4": 4, "npu5": 4, "npu6": 4}
+SYSFS_ACCEL = "/sys/class/accel"
 
 _PERMISSION_HINT = ("add your user to the 'render' group (sudo usermod -aG render $USER, then log in again); "
                     "in a container pass --device /dev/accel/accel0 --group-add render")
 _NO_DEVICE_HINT = ("no /dev/accel/accel* node bound to the amdxdna driver; to run without an NPU use the "
                    "emulator: open_device('emu') or AMDXDNA_DEVICE=emu (profiles: emu:npu1, emu:npu4, ...)")
+
+
+def pci_generation(device_id: int, revision: int) -> str | None:
+    """The NPU generation of a PCI device id and revision, or None when the driver does not know it."""
+    return PCI_GENERATIONS.get((device_id, revision))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +342,19 @@ class Device:
     def name(self) -> str:
         """The node path, or ``emu:<profile>``."""
         return self.file.name
+
+    @property
+    def generation(self) -> str | None:
+        """``npu1`` / ``npu4`` / ``npu5`` / ``npu6``: the emulator's profile, else the node's PCI id and
+        revision from sysfs; None when they cannot be read or are not in the driver's table."""
+        if self.emulator is not None:
+            return self.emulator.profile.name
+        pci = os.path.join(SYSFS_ACCEL, os.path.basename(self.name), "device")
+        try:
+            with open(os.path.join(pci, "device")) as f_id, open(os.path.join(pci, "revision")) as f_rev:
+                return pci_generation(int(f_id.read(), 16), int(f_rev.read(), 16))
+        except (OSError, ValueError):
+            return None
 
     @property
     def emulator(self) -> Any:

@@ -26,14 +26,14 @@ import numpy as np
 
 from . import abi
 from . import insts as insts_mod
-from .device import Device, open_device, release_steps
+from .device import Device, open_device, pci_generation, release_steps
 from .errors import ContextUnavailableError, XdnaError
 from .insts import BlockWrite, DdrPatch
 from .xclbin import Xclbin, build_mlir_aie
 
 __all__ = [
     "PASS", "WARN", "FAIL", "SKIP", "DEVICE_CHECKS", "MEMLOCK_NEEDED", "CheckResult", "Identity", "Host",
-    "find_nodes", "node_path", "sysfs_attributes", "generation", "device_generation", "is_emulated", "bind_model",
+    "find_nodes", "node_path", "sysfs_attributes", "is_emulated", "bind_model",
     "check_node", "check_permission", "check_memlock", "check_kernel_log", "parse_kernel_log", "read_kernel_log",
     "check_feature_level", "check_firmware", "check_contexts", "check_self_test", "run_checks", "worst",
 ]
@@ -47,8 +47,6 @@ MEMLOCK_NEEDED = HEAP_SIZE + (64 << 20)
 
 # PCI (device id, revision) -> generation: amdxdna_pci_drv.c table, xrt-npu-sequence.md 1.1.
 AMD_VENDOR_ID = 0x1022
-GENERATIONS = {(0x1502, 0x00): "npu1", (0x17F0, 0x10): "npu4", (0x17F0, 0x11): "npu5", (0x17F0, 0x20): "npu6"}
-
 # Attributes of the PCI device directory behind /sys/class/accel/accelN (spec 8, xrt-npu-sequence 1.1).
 SYSFS_ATTRIBUTES = ("vendor", "device", "subsystem_vendor", "subsystem_device", "revision", "vbnv",
                     "fw_version", "device_type")
@@ -206,11 +204,6 @@ def sysfs_attributes(root: Path, accel_name: str) -> dict[str, str]:
     return found
 
 
-def generation(device_id: int, revision: int) -> str | None:
-    """``"npu1"``, ``"npu4"``, ... for an AMD NPU PCI device id and revision, or None when unknown."""
-    return GENERATIONS.get((device_id, revision))
-
-
 def _hex_attr(attributes: dict[str, str], name: str) -> int | None:
     try:
         return int(attributes[name], 16)
@@ -239,7 +232,7 @@ def _describe_pci(attributes: dict[str, str]) -> str:
     device_id, revision = _hex_attr(attributes, "device"), _hex_attr(attributes, "revision")
     if device_id is None:
         return "PCI id unknown"
-    gen = generation(device_id, revision or 0) or "unknown generation"
+    gen = pci_generation(device_id, revision or 0) or "unknown generation"
     return f"PCI {attributes.get('pci_slot', '?')} {device_id:04x} rev {revision or 0:02x}: {gen}"
 
 
@@ -458,15 +451,6 @@ def check_firmware(dev: Device, sysfs_version: str | None = None) -> CheckResult
     return CheckResult("firmware", PASS, f"firmware {version}")
 
 
-def device_generation(dev: Device) -> str | None:
-    """``npu1`` / ``npu4`` / ...: the emulator's profile, else from the PCI id in sysfs."""
-    if dev.emulator is not None:
-        return dev.emulator.profile.name
-    attributes = sysfs_attributes(Path("/"), Path(dev.name).name)
-    device_id, revision = _hex_attr(attributes, "device"), _hex_attr(attributes, "revision")
-    return generation(device_id, revision or 0) if device_id is not None else None
-
-
 def check_contexts(dev: Device) -> CheckResult:
     """Contexts still available: the live count against the firmware limit, then a real CREATE_HWCTX probe.
 
@@ -498,7 +482,7 @@ def _context_load(dev: Device) -> tuple[list[Any], int | None, str]:
     try:
         return live, dev.resource_info().npu_task_max, ""
     except XdnaError:
-        return live, CONTEXT_LIMITS.get(device_generation(dev) or ""), ""
+        return live, CONTEXT_LIMITS.get(dev.generation or ""), ""
 
 
 def _probe_context(dev: Device) -> None:

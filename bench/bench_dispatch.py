@@ -29,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from amdxdna_direct import RunList, open_device, xclbin
+from amdxdna_direct.device import TXN_DEV_GEN
 from amdxdna_direct.insts import dma_stream, encode
 from amdxdna_direct.kernel import Run
 from sam3.npu import push
@@ -39,9 +40,8 @@ BF16 = 2
 
 def _gemm_kernel(dev, m: int, k: int, n: int):
     """A context running a bf16 GEMM of m rows (emulator: bound to the Gemm model)."""
-    gen = 3 if dev.aie_version().major == 1 and dev.aie_metadata().cols == 5 else 4
-    stream = encode(dma_stream(gen, [(0, m * k * BF16, "in"), (1, k * n * BF16, "in"), (2, m * n * BF16, "out")],
-                               rtp=[m, k, n, k]))
+    buffers = [(0, m * k * BF16, "in"), (1, k * n * BF16, "in"), (2, m * n * BF16, "out")]
+    stream = encode(dma_stream(TXN_DEV_GEN[dev.generation], buffers, rtp=[m, k, n, k]))
     if dev.emulator is not None:
         from amdxdna_direct.emu import Gemm
         dev.emulator.models.bind(stream, Gemm(m, k, n, k, "kn"))

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from amdxdna_direct import insts, xclbin
-from sam3.bundle import ELEMENTWISE_FNS, FORMAT, GENERATIONS, MANIFEST, TXN_DEV_GEN
+from amdxdna_direct.device import TXN_DEV_GEN
+from sam3.bundle import ELEMENTWISE_FNS, FORMAT, GENERATIONS, MANIFEST
 from sam3.pack import BF16_BYTES, ConvGeometry, pack_b, pack_conv3x3, parse_layout, round_up
 
 KERNEL_NAME = "MLIR_AIE"
@@ -183,7 +184,7 @@ class _Writer:
 
     def __init__(self, root: Path, g: Geometry, target: str, seed: int, user: dict[str, np.ndarray]):
         self.root, self.g, self.target, self.seed, self.user = root, g, target, seed, user
-        self.dev_gen = TXN_DEV_GEN[GENERATIONS[target]]
+        self.dev_gen = TXN_DEV_GEN[target]
         self.used: set[str] = set()
         for sub in ("xclbin", "insts", "weights"):
             (root / sub).mkdir(parents=True, exist_ok=True)

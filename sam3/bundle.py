@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from amdxdna_direct.device import TXN_DEV_GEN
 from amdxdna_direct.xclbin import Xclbin, XclbinError
 from sam3.pack import BF16_BYTES, ConvGeometry, Layout, parse_layout
 
@@ -23,8 +24,6 @@ FORMAT = 1
 # NPU generation of each target name (spec/xrt-npu-sequence.md 4): npu1 is AIE2 (Phoenix/Hawk
 # Point); npu4/5/6 are one AIE2P family whose xclbins and TXN streams are interchangeable.
 GENERATIONS = {"npu1": "aie2", "npu4": "aie2p", "npu5": "aie2p", "npu6": "aie2p"}
-# TXN header word 0 bits 16..23 (spec/xrt-npu-sequence.md 2.3): 3 = NPU1, 4 = NPU2 (AIE2P).
-TXN_DEV_GEN = {"aie2": 3, "aie2p": 4}
 
 ELEMENTWISE_FNS = ("gelu", "silu", "add", "copy", "layernorm")
 
@@ -225,7 +224,7 @@ class Bundle:
 
     def _check_streams(self) -> None:
         """Each instruction stream is a TXN stream for the bundle's target (spec/xrt-npu-sequence.md 2.3)."""
-        want = TXN_DEV_GEN[GENERATIONS[self.target]]
+        want = TXN_DEV_GEN[self.target]
         for key in self.keys():
             path = self.kernel(key).insts
             head = path.read_bytes()[:16]

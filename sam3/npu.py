@@ -38,7 +38,6 @@ EVICTION_POLICIES = ("lru", "drain")
 WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
 
 # GET_INFO-free identification of the NPU generation (spec/amdxdna-uapi.md 8): PCI id and revision.
-_PCI_GENERATIONS = {(0x1502, 0x00): "npu1", (0x17F0, 0x10): "npu4", (0x17F0, 0x11): "npu5", (0x17F0, 0x20): "npu6"}
 
 
 class NpuError(RuntimeError):
@@ -260,30 +259,16 @@ class _Source:
 
 
 def device_generation(device: Device) -> str:
-    """The NPU generation name of `device` ("npu1", "npu4", "npu5", "npu6").
-
-    An emulated device reports its profile; a real one is identified by the PCI id and revision
-    of the accel node's parent device (spec/amdxdna-uapi.md 8).
+    """The NPU generation name of `device` ("npu1", "npu4", "npu5", "npu6"), from `Device.generation`.
 
     Raises:
-        NpuError: the generation cannot be determined.
+        NpuError: the generation cannot be determined (no readable or known PCI id).
     """
-    emu = device.emulator
-    if emu is not None:
-        profile = getattr(emu, "profile", None)
-        name = getattr(profile, "name", profile)
-        if isinstance(name, str):
-            return name
-        raise NpuError(f"{device.name}: the emulator does not report its profile")
-    node = os.path.basename(device.name)
-    pci = Path("/sys/class/accel") / node / "device"
-    try:
-        ident = (int((pci / "device").read_text(), 16), int((pci / "revision").read_text(), 16))
-    except (OSError, ValueError) as e:
-        raise NpuError(f"{device.name}: cannot read the PCI id under {pci}: {e}") from e
-    if ident not in _PCI_GENERATIONS:
-        raise NpuError(f"{device.name}: unknown NPU PCI id {ident[0]:04x} rev {ident[1]:02x}")
-    return _PCI_GENERATIONS[ident]
+    gen = device.generation
+    if gen is None:
+        raise NpuError(f"{device.name}: cannot tell the NPU generation (PCI id under /sys/class/accel unreadable "
+                       "or not an amdxdna NPU)")
+    return gen
 
 
 def _max_contexts(value: int | None) -> int | None:

@@ -17,6 +17,7 @@ import pytest
 
 from amdxdna_direct import doctor, open_device
 from amdxdna_direct.cli import doctor_cmd, main
+from amdxdna_direct.device import pci_generation
 from amdxdna_direct.doctor import FAIL, PASS, SKIP, WARN, Host, Identity
 from amdxdna_direct.emu import EmuDevice
 from amdxdna_direct.xclbin import build_mlir_aie
@@ -112,10 +113,10 @@ def test_sysfs_attributes_and_generation(tmp_path):
     assert attributes["pci_slot"] == NPU_SLOT
     assert attributes["fw_version"] == "1.5.2.380"
     # spec 8: 17f0 rev 10/11/20 are NPU4/5/6, 1502 rev 0 is NPU1
-    assert doctor.generation(int(attributes["device"], 16), int(attributes["revision"], 16)) == "npu5"
-    assert doctor.generation(0x1502, 0) == "npu1"
-    assert doctor.generation(0x17F0, 0x20) == "npu6"
-    assert doctor.generation(0x17F0, 0x00) is None
+    assert pci_generation(int(attributes["device"], 16), int(attributes["revision"], 16)) == "npu5"
+    assert pci_generation(0x1502, 0) == "npu1"
+    assert pci_generation(0x17F0, 0x20) == "npu6"
+    assert pci_generation(0x17F0, 0x00) is None
 
 
 def test_find_nodes_in_minor_order(tmp_path):

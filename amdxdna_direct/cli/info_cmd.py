@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import doctor, open_device
-from ..device import Device
+from ..device import Device, pci_generation
 from ..errors import XdnaError
 
 __all__ = ["collect", "format_info", "sysfs_pci", "add_parser", "run"]
@@ -107,7 +107,7 @@ def sysfs_pci(root: Path, accel_name: str) -> dict[str, Any]:
     found = {"source": f"/sys/class/accel/{accel_name}/device", "slot": attributes.get("pci_slot"),
              "vendor": _hex4(attributes.get("vendor")), "device": _hex4(attributes.get("device")),
              "revision": f"{revision:02x}" if revision is not None else None,
-             "generation": doctor.generation(device_id, revision or 0) if device_id is not None else None,
+             "generation": pci_generation(device_id, revision or 0) if device_id is not None else None,
              "vbnv": attributes.get("vbnv"), "fw_version": attributes.get("fw_version"),
              "device_type": DEVICE_TYPES.get(attributes.get("device_type", ""), attributes.get("device_type")),
              "driver": attributes.get("driver")}

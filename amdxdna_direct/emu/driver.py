@@ -34,6 +34,7 @@ from .memory import (
     PAGE_SIZE,
     Bo,
     HeapAllocator,
+    HeapWindow,
     Memory,
     new_backing,
     page_align,
@@ -62,6 +63,7 @@ MAX_ARG_COUNT = 4095
 MAX_CONFIG_CU_SIZE = 4096
 MAX_CUS = 32
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (spec 4.4, 7)
+DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (spec 4.4 staging)
 DESTROY_WAIT_S = 2.0                # DESTROY_HWCTX waits this long for the last job (spec 4.2)
 ERT_STATE_COMPLETED = 4
 AMDXDNA_CMD_SUBMIT_EXEC_BUF = 0
@@ -133,7 +135,8 @@ class Profile:
     rows: int = 6
     core_rows: int = 4
     drm_minor: int = 10             # feature level (spec 11): 0.10 has every ioctl the emulator models
-    expandable_heap: bool = False   # True would model the 2026 multi-heap driver (not modelled: rejected)
+    expandable_heap: bool = False   # True models the 2026 expandable heap: several chunks per fd (spec 4.4)
+    dev_heap_max_size: int = 512 << 20  # expandable heap: device window per fd (spec 4.4, 8; NPU1 64 MiB)
     wait_cmd: bool = False          # True models the out-of-tree driver's WAIT_CMD (spec 4.11, 12)
     qos_size: int = 24              # bytes read from qos_p (32 on out-of-tree builds, spec 12)
 
@@ -156,7 +159,7 @@ def _npu(name: str, revision: int, **overrides) -> Profile:
 
 PROFILES: dict[str, Profile] = {
     "npu1": _npu("npu1", 0x00, pci_device=0x1502, columns=5, first_col=1, aligned_placement=False, hwctx_limit=6,
-                 txn_dev_gen=3, aie_arch=(2, 0),
+                 txn_dev_gen=3, aie_arch=(2, 0), dev_heap_max_size=64 << 20,
                  dpm_clocks=((400, 800), (600, 1024), (600, 1024), (600, 1024), (600, 1024), (720, 1309),
                              (720, 1309), (847, 1600)),
                  firmware_version=(1, 5, 5, 391), tops_max=10),
@@ -381,6 +384,9 @@ class Client:
         self.device = device
         self.pid = os.getpid()
         self.memory = Memory(device.lock)
+        if device.profile.expandable_heap:
+            # drm_mm_init over the whole window at open: DEV BOs are placed before chunks are checked (spec 4.4).
+            self.memory.allocator = HeapAllocator(device.profile.dev_heap_max_size)
         self.bos: dict[int, Bo] = {}
         self.syncobjs: dict[int, Timeline] = {}
         self.contexts: dict[int, HwCtx] = {}
@@ -476,17 +482,18 @@ class EmuDevice:
             profile: a name of PROFILES or a Profile.
             tdr_timeout: seconds before a hung job is timed out (staging default 2 s, spec 6.7).
             cap_sys_admin: whether callers count as root for DRM_ROOT_ONLY ioctls (default: euid 0).
-            options: Profile field overrides, e.g. ``drm_minor=6``, ``wait_cmd=True``.
+            options: Profile field overrides, e.g. ``drm_minor=6``, ``wait_cmd=True``, ``expandable_heap=True``.
 
         Raises:
             KeyError: unknown profile name.
             TypeError: unknown option.
-            ValueError: an option the emulator does not model (expandable_heap=True).
+            ValueError: dev_heap_max_size is not a positive multiple of 64 MiB.
         """
         base = profile if isinstance(profile, Profile) else PROFILES[profile]
         self.profile = dataclasses.replace(base, **options) if options else base
-        if self.profile.expandable_heap:
-            raise ValueError("expandable_heap=True (2026 multi-heap drivers, spec 4.4) is not modelled")
+        max_size = self.profile.dev_heap_max_size
+        if max_size <= 0 or max_size % DEV_HEAP_CHUNK:
+            raise ValueError(f"dev_heap_max_size must be a positive multiple of 64 MiB, got {max_size:#x}")
         self.cap_sys_admin = os.geteuid() == 0 if cap_sys_admin is None else cap_sys_admin
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -565,7 +572,8 @@ class EmuDevice:
                 memory.allocator.free(bo.heap_offset)
                 memory.dev_bos.pop(bo.heap_offset, None)
                 bo.released = True
-                self.unref_bo(bo.heap)
+                for heap in (bo.heap, *bo.more_heaps):
+                    self.unref_bo(heap)
             else:
                 release_backing(bo)
                 for key in [k for k, exported in self.exports.items() if exported is bo]:
@@ -654,6 +662,9 @@ class EmuDevice:
                 raise fail(errno.ENOENT, op, "unknown handle")
             if bo.memfd < 0:
                 raise fail(errno.EOPNOTSUPP, op, f"{bo.kind_name} BOs live inside the heap and are not exported")
+            if bo.kind == AMDXDNA_BO_DEV_HEAP and self.profile.expandable_heap:
+                # Chunks share one window file, which cannot tell them apart on import.
+                raise fail(errno.EOPNOTSUPP, op, "exporting an expandable-heap chunk is not modelled")
             # The exported "dma-buf" is a dup of the BO's memfd: a real fd the caller owns and closes.
             fd = os.dup(bo.memfd)
             os.set_inheritable(fd, not a["flags"] & DRM_CLOEXEC)
@@ -706,13 +717,16 @@ class EmuDevice:
 
     def _alloc_ctx_bos(self, client: Client, op: str) -> list[Bo]:
         bos = []
-        for _ in range(CTX_INTERNAL_BOS):
-            bo = self._new_dev_bo(client, CTX_INTERNAL_BO_SIZE, internal=True)
-            if bo is None:
-                for done in bos:
-                    self.unref_bo(done)
-                raise fail(errno.ENOSPC, op, "no heap room for the context's 4 command-list buffers")
-            bos.append(bo)
+        try:
+            for _ in range(CTX_INTERNAL_BOS):
+                bo = self._new_dev_bo(client, CTX_INTERNAL_BO_SIZE, op, internal=True)
+                if bo is None:
+                    raise fail(errno.ENOSPC, op, "no heap room for the context's 4 command-list buffers")
+                bos.append(bo)
+        except OSError:
+            for done in bos:
+                self.unref_bo(done)
+            raise
         return bos
 
     def _admit(self, client: Client, a: dict, qos: dict, op: str) -> HwCtx:
@@ -916,6 +930,8 @@ class EmuDevice:
         return self._backed_bo(AMDXDNA_BO_CMD, page_align(a["size"]), op)
 
     def _create_heap(self, client: Client, a: dict, op: str) -> Bo:
+        if self.profile.expandable_heap:
+            return self._add_heap_chunk(client, a["size"], op)
         size = a["size"]
         if size > DEV_HEAP_MAX or size == 0:
             raise fail(errno.EINVAL, op, f"heap size must be 1..{DEV_HEAP_MAX:#x}")
@@ -924,11 +940,35 @@ class EmuDevice:
         bo = self._backed_bo(AMDXDNA_BO_DEV_HEAP, page_align(size), op)
         bo.xdna_addr = AIE2_DEVM_BASE
         bo.refs += 1            # client->dev_heap: the fd keeps its heap until close (spec 7, lifetime)
-        client.memory.heap = bo
+        client.memory.heaps.append(bo)
         client.memory.allocator = HeapAllocator(bo.size)
         return bo
 
-    def _new_dev_bo(self, client: Client, size: int, internal: bool = False) -> Bo | None:
+    def _add_heap_chunk(self, client: Client, size: int, op: str) -> Bo:
+        # 2026 expandable heap (spec 4.4 staging): chunks of n x 64 MiB appended at 0x4000000 + cumulative size.
+        memory, max_size = client.memory, self.profile.dev_heap_max_size
+        if size == 0 or size % DEV_HEAP_CHUNK:
+            raise fail(errno.EINVAL, op, f"heap size must be a non-zero multiple of {DEV_HEAP_CHUNK:#x}")
+        offset = memory.heap_size
+        if offset + size > max_size:
+            raise fail(errno.ENOSPC, op, f"heap would grow to {offset + size:#x} > dev_heap_max_size {max_size:#x}")
+        if memory.window is None:
+            try:
+                memory.window = HeapWindow(max_size)
+            except OSError as exc:
+                raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
+        bo = Bo(handle=0, kind=AMDXDNA_BO_DEV_HEAP, size=size, mem=memory.window.view[offset:offset + size],
+                xdna_addr=AIE2_DEVM_BASE + offset, map_offset=self.next_map_offset, memfd=memory.window.chunk_fd(),
+                file_offset=offset, _backing=memory.window.backing)
+        self.next_map_offset += size
+        self.live_bos += 1
+        bo.refs += 1            # client->dev_heap_xa keeps every chunk until close (spec 7, lifetime)
+        memory.heaps.append(bo)
+        return bo
+
+    def _new_dev_bo(self, client: Client, size: int, op: str, internal: bool = False) -> Bo | None:
+        if self.profile.expandable_heap:
+            return self._new_window_dev_bo(client, size, op, internal)
         memory = client.memory
         size = page_align(size)
         offset = memory.allocator.alloc(size)
@@ -943,7 +983,59 @@ class EmuDevice:
         self.live_bos += 1
         return bo
 
+    def _new_window_dev_bo(self, client: Client, size: int, op: str, internal: bool) -> Bo:
+        # Expandable heap (spec 4.4 staging): place in the whole window first (drm_mm), then find the chunks
+        # under the range; a short, missing or unmapped heap is EAGAIN so the caller can grow it and retry.
+        memory, max_size = client.memory, self.profile.dev_heap_max_size
+        size = page_align(size)
+        if size == 0 or size > max_size:
+            raise fail(errno.EINVAL, op, f"size must be 1..{max_size:#x} (dev_heap_max_size)")
+        offset = memory.allocator.alloc(size)
+        if offset is None:
+            raise fail(errno.ENOSPC, op, f"no free range of {size:#x} in the {max_size:#x} heap window")
+        try:
+            chunks = self._chunks_under(memory, offset, size, op)
+        except OSError:
+            memory.allocator.free(offset)
+            raise
+        for chunk in chunks:
+            chunk.refs += 1     # a DEV BO holds every chunk it spans
+        first = chunks[0]
+        bo = Bo(handle=0, kind=AMDXDNA_BO_DEV, size=size, mem=memory.window.view[offset:offset + size], heap=first,
+                more_heaps=tuple(chunks[1:]), heap_offset=offset, xdna_addr=AIE2_DEVM_BASE + offset,
+                vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal)
+        bo.fd_memory = memory
+        memory.dev_bos[offset] = bo
+        self.live_bos += 1
+        return bo
+
+    @staticmethod
+    def _chunks_under(memory: Memory, offset: int, size: int, op: str) -> list[Bo]:
+        """The heap chunks covering window range [offset, offset+size), mapped at contiguous user VAs.
+
+        Raises:
+            OSError: EAGAIN (no heap, a chunk unmapped, or the heap ends before the range), EINVAL
+                (the chunks' user VAs are not contiguous).
+        """
+        if not memory.heaps:
+            raise fail(errno.EAGAIN, op, "no DEV_HEAP on this fd yet")
+        chunks: list[Bo] = []
+        for index, chunk in enumerate(memory.heaps):
+            start = chunk.xdna_addr - AIE2_DEVM_BASE
+            if start + chunk.size <= offset:
+                continue
+            if chunk.vaddr == AMDXDNA_INVALID_ADDR:
+                raise fail(errno.EAGAIN, op, f"heap chunk {index} is not mapped")
+            if chunks and chunk.vaddr != chunks[-1].vaddr + chunks[-1].size:
+                raise fail(errno.EINVAL, op, f"heap chunk {index} uva is not contiguous")
+            chunks.append(chunk)
+            if start + chunk.size >= offset + size:
+                return chunks
+        raise fail(errno.EAGAIN, op, f"heap ({memory.heap_size:#x} bytes) ends before {offset + size:#x}")
+
     def _create_dev(self, client: Client, a: dict, op: str) -> Bo:
+        if self.profile.expandable_heap:
+            return self._new_dev_bo(client, a["size"], op)
         heap = client.memory.heap
         if heap is None:
             raise fail(errno.EINVAL, op, "no DEV_HEAP on this fd")
@@ -951,7 +1043,7 @@ class EmuDevice:
             raise fail(errno.EINVAL, op, "Invalid dev heap userptr (heap never mapped)")
         if a["size"] == 0 or a["size"] > heap.size:
             raise fail(errno.EINVAL, op, f"size must be 1..{heap.size:#x} (heap size)")
-        bo = self._new_dev_bo(client, a["size"])
+        bo = self._new_dev_bo(client, a["size"], op)
         if bo is None:
             raise fail(errno.ENOSPC, op, "no free heap range")
         return bo
@@ -1365,9 +1457,11 @@ class EmuDevice:
             for bo in client.bos.values():
                 self.unref_bo(bo)
             client.bos.clear()
-            if client.memory.heap is not None:
-                self.unref_bo(client.memory.heap)
-                client.memory.heap = None
+            for heap in client.memory.heaps:
+                self.unref_bo(heap)
+            client.memory.heaps.clear()
+            if client.memory.window is not None:
+                client.memory.window.close()
             self.clients.remove(client)
 
 
@@ -1463,7 +1557,8 @@ class EmuSeam:
             if length == 0 or length > bo.size:
                 raise fail(errno.EINVAL, op, f"length must be 1..{bo.size:#x} (BO size)")
             flags = usermem.MAP_SHARED | (usermem.MAP_FIXED if addr else 0)
-            mapped = usermem.mmap(addr, length, usermem.PROT_READ | usermem.PROT_WRITE, flags, bo.memfd, 0)
+            mapped = usermem.mmap(addr, length, usermem.PROT_READ | usermem.PROT_WRITE, flags, bo.memfd,
+                                  bo.file_offset)
             bo.refs += 1        # a mapping keeps the GEM object alive (spec 7, lifetime)
             client.memory.add_mapping(mapped, page_align(length), bo)
             if bo.vaddr == AMDXDNA_INVALID_ADDR:

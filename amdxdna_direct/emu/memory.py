@@ -4,8 +4,12 @@ Every BO is backed by real shared pages (a ``memfd``): the kernel side holds a w
 (``Bo.mem``), and the user maps the same file through the seam's ``mmap`` path, so host and "device"
 see the same bytes. DEV BOs are sub-ranges of the fd's DEV_HEAP and share its pages (spec 7).
 
+With the 2026 expandable heap (spec 4.4) an fd has several heap chunks laid end to end in device space.
+They are windows of one sparse per-fd file (``HeapWindow``), so a DEV BO that spans chunks is still one
+contiguous range of pages for the device side, as it is for the user through contiguous chunk mappings.
+
 Device addresses resolve as the NPU sees them (spec 7): the heap window ``[0x4000000, 0x4000000 +
-heap size)`` for DEV BOs, and for SHMEM BOs the process virtual address of a live user mapping (IOMMU
+heap size)`` (all chunks) for DEV BOs, and for SHMEM BOs the process virtual address of a live user mapping (IOMMU
 SVA, <= 7.0). Anything else is a ``DeviceFault``, which fails the command like a bad DMA would.
 """
 
@@ -51,8 +55,10 @@ class Bo:
     vaddr: int = AMDXDNA_INVALID_ADDR
     map_offset: int = AMDXDNA_INVALID_ADDR
     memfd: int = -1
-    heap: Bo | None = None           # DEV BOs: the heap they live in
-    heap_offset: int = 0
+    heap: Bo | None = None           # DEV BOs: the heap (chunk) they start in
+    heap_offset: int = 0             # DEV BOs: offset in the heap window (device address - 0x4000000)
+    more_heaps: tuple[Bo, ...] = ()  # DEV BOs across expandable-heap chunks: the chunks after `heap`
+    file_offset: int = 0             # where the BO's pages start in its memfd (expandable-heap chunks)
     internal: bool = False           # driver-owned (context command-list buffers)
     refs: int = 1
     released: bool = False
@@ -116,15 +122,52 @@ class HeapAllocator:
         return sum(self.ranges.values())
 
 
+class HeapWindow:
+    """The pages behind an fd's expandable heap: one sparse memfd of the whole device window.
+
+    Chunk k is the file range ``[0x4000000 + cumulative size, + its size) - 0x4000000``; each chunk BO
+    owns a dup of the memfd (for user mmap at its file offset) and the kernel keeps one view of all of it.
+    """
+
+    def __init__(self, size: int):
+        self.memfd, self._mapping, self.view = new_backing(size, "amdxdna-heap-window")
+
+    def chunk_fd(self) -> int:
+        """A descriptor of the window file for one chunk BO (closed when the chunk is released)."""
+        return os.dup(self.memfd)
+
+    @property
+    def backing(self) -> object:
+        """The kernel's mmap object (chunk BOs keep it alive like their own backing)."""
+        return self._mapping
+
+    def close(self) -> None:
+        """Drop the window's own descriptor; the pages live on while any chunk or view holds them."""
+        if self.memfd >= 0:
+            os.close(self.memfd)
+            self.memfd = -1
+
+
 class Memory:
-    """The BO address spaces of one fd: its heap, DEV placements and live user mappings."""
+    """The BO address spaces of one fd: its heap chunks, DEV placements and live user mappings."""
 
     def __init__(self, lock: threading.RLock):
         self._lock = lock
-        self.heap: Bo | None = None
+        self.heaps: list[Bo] = []                         # DEV_HEAP chunks in device-address order
+        self.window: HeapWindow | None = None             # expandable heap only
         self.allocator: HeapAllocator | None = None
         self.dev_bos: dict[int, Bo] = {}                  # heap offset -> DEV BO
         self.mappings: dict[int, tuple[int, Bo, int]] = {}    # user VA -> (length, BO, offset in BO)
+
+    @property
+    def heap(self) -> Bo | None:
+        """The first DEV_HEAP (the only one on <= 7.0 drivers), or None."""
+        return self.heaps[0] if self.heaps else None
+
+    @property
+    def heap_size(self) -> int:
+        """Bytes of device window covered by heap chunks."""
+        return sum(chunk.size for chunk in self.heaps)
 
     def add_mapping(self, addr: int, length: int, bo: Bo) -> None:
         """Record a live user mapping of `bo` (the VA the device uses for SHMEM BOs under SVA)."""
@@ -160,8 +203,7 @@ class Memory:
             DeviceFault: the range is not inside one BO (heap window or a live SHMEM mapping).
         """
         with self._lock:
-            heap = self.heap
-            if heap is not None and AIE2_DEVM_BASE <= addr and addr + length <= AIE2_DEVM_BASE + heap.size:
+            if self.heaps and AIE2_DEVM_BASE <= addr and addr + length <= AIE2_DEVM_BASE + self.heap_size:
                 return self._resolve_heap(addr - AIE2_DEVM_BASE, length)
             for start, (size, bo, bo_offset) in self.mappings.items():
                 if start <= addr and addr + length <= start + size:
@@ -172,5 +214,10 @@ class Memory:
         for start, bo in self.dev_bos.items():
             if start <= offset and offset + length <= start + bo.size:
                 return bo, offset - start
-        return self.heap, offset
+        for chunk in self.heaps:
+            start = chunk.xdna_addr - AIE2_DEVM_BASE
+            if start <= offset and offset + length <= start + chunk.size:
+                return chunk, offset - start
+        # Only a DEV BO gives a view across chunks; a raw access straddling two chunks is not modelled.
+        raise DeviceFault(f"heap access [{offset:#x}, {offset + length:#x}) straddles heap chunks outside a DEV BO")
 
