@@ -16,7 +16,7 @@ import numpy as np
 
 from . import abi
 from .device import BoInfo, DeviceFile, create_bo, gem_close, get_bo_info, map_bo, release_steps
-from .errors import DeviceLostError, XdnaError, errno_text, format_call
+from .errors import XdnaError, ioctl_error
 
 if TYPE_CHECKING:
     from .device import Device
@@ -26,16 +26,14 @@ __all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE"]
 PAGE_SIZE = 4096
 TO_DEVICE = "to_device"
 FROM_DEVICE = "from_device"
-_INVALID = (1 << 64) - 1  # AMDXDNA_INVALID_ADDR
 _SUB_ALIGN = 4  # the shim DMA's buffer-descriptor address is word granular (spec 1.5)
 
 
-def _kinds() -> dict[str, tuple[int, str]]:
-    return {"shmem": (abi.AMDXDNA_BO_SHMEM, "SHMEM"), "dev": (abi.AMDXDNA_BO_DEV, "DEV"),
-            "cmd": (abi.AMDXDNA_BO_CMD, "CMD")}
-
-
-KINDS = ("shmem", "dev", "cmd")
+# kind -> (amdxdna_bo_type, its name in messages); XRT's placement (spec amdxdna-uapi.md 7): data in
+# SHMEM, instructions and PDIs in DEV (heap), command packets in CMD.
+_BO_TYPES = {"shmem": (abi.AMDXDNA_BO_SHMEM, "SHMEM"), "dev": (abi.AMDXDNA_BO_DEV, "DEV"),
+             "cmd": (abi.AMDXDNA_BO_CMD, "CMD")}
+KINDS = tuple(_BO_TYPES)
 
 
 class _View:
@@ -81,7 +79,7 @@ class Bo:
         self.info = info
         self.cpu_address = cpu
         # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
-        self.address = info.xdna_addr if info.xdna_addr != _INVALID else cpu
+        self.address = info.xdna_addr if info.xdna_addr != abi.AMDXDNA_INVALID_ADDR else cpu
         self._release = file.register(_release_bo, file, handle, cpu if map_len else 0, map_len)
         self._finalizer = weakref.finalize(self, self._release)
         if kind == "shmem":
@@ -160,8 +158,7 @@ class Bo:
 
     def _check_open(self, what: str) -> None:
         if self.closed:
-            raise XdnaError(errno.EBADF, f"{format_call(what, {'handle': self.handle})}: "
-                                         f"{errno_text(errno.EBADF)}; buffer is closed")
+            raise ioctl_error(what, {"handle": self.handle}, errno.EBADF, "buffer is closed")
 
     # -- CPU access ----------------------------------------------------------------------------
 
@@ -249,7 +246,7 @@ class Bo:
 def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, int]:
     """CREATE_BO + GET_BO_INFO + CPU address; returns (handle, info, cpu address, mapped length)."""
     file = device.file
-    bo_type, type_name = _kinds()[kind]
+    bo_type, type_name = _BO_TYPES[kind]
     if kind == "dev":
         device.ensure_heap()
         handle = _create_dev_bo(device, size)
@@ -270,13 +267,17 @@ def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, i
 def _create_dev_bo(device: Device, size: int) -> int:
     # Expandable-heap drivers answer EAGAIN when the heap is short: XRT then adds a contiguous
     # 64 MiB chunk and retries (spec amdxdna-uapi.md 4.4). Older drivers answer ENOSPC (no growth).
+    # The loop ends: grow_heap raises ENOSPC at the 512 MiB maximum, or the driver refuses the chunk.
     while True:
+        chunks = len(device.heap)
         try:
             return create_bo(device.file, size, abi.AMDXDNA_BO_DEV, "DEV")
         except XdnaError as exc:
             if exc.errno != errno.EAGAIN:
                 raise
-            device.grow_heap()
+        with device.file.lock:
+            if len(device.heap) == chunks:      # another thread may have grown it meanwhile
+                device.grow_heap()
 
 
 def _release_bo(file: DeviceFile, handle: int, addr: int, length: int) -> None:
@@ -285,10 +286,8 @@ def _release_bo(file: DeviceFile, handle: int, addr: int, length: int) -> None:
             file.seam.munmap(addr, length)
 
     def close_handle() -> None:
+        # After the fd closed (or the device was lost) the driver has already dropped the handle.
         if not file.closed and file.lost is None:
             gem_close(file, handle)
 
-    try:
-        release_steps(unmap, close_handle)
-    except DeviceLostError:
-        pass
+    release_steps(unmap, close_handle)

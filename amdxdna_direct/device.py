@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import abi, trace
-from .errors import DeviceLostError, NoDeviceError, XdnaError, errno_text, error_class, format_call, ioctl_error
+from .errors import DeviceLostError, NoDeviceError, XdnaError, errno_text, format_call, ioctl_error
 from .seam import OsSeam, Seam
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class DeviceFile:
         if self.lost is not None:
             raise DeviceLostError(errno.ENODEV, f"{format_call(name, fields)}: device lost earlier: {self.lost}")
         if self.closed:
-            raise XdnaError(errno.EBADF, f"{format_call(name, fields)}: {errno_text(errno.EBADF)}; device closed")
+            raise ioctl_error(name, fields, errno.EBADF, "device closed")
         with self.lock:
             self.stats[name] += 1
         try:
@@ -516,9 +516,10 @@ class Device:
     def ensure_heap(self) -> HeapChunk:
         """Create and map the first 64 MiB heap chunk if this fd has none; return the first chunk.
 
-        XRT order (spec 0 step 2): CREATE_BO DEV_HEAP, GET_BO_INFO, reserve an aligned VA range,
-        mmap MAP_FIXED into it. The whole growth range (512 MiB) is reserved at once so later chunks
-        land at contiguous VAs, which expandable-heap drivers require ("uva is not contiguous").
+        XRT order (spec xrt-npu-sequence.md 0 step 2): CREATE_BO DEV_HEAP, GET_BO_INFO, reserve a
+        64 MiB-aligned VA range, mmap MAP_FIXED into it. The whole growth range (512 MiB, PROT_NONE,
+        no memory committed) is reserved at once so that later chunks land at contiguous VAs, which
+        expandable-heap drivers require ("uva is not contiguous", amdxdna-uapi.md 4.4).
 
         Raises:
             XdnaError: an ioctl or mapping failed (nothing is left behind).
@@ -532,15 +533,14 @@ class Device:
         """Append one contiguous 64 MiB chunk (what XRT does when a DEV BO allocation answers EAGAIN).
 
         Raises:
-            XdnaError: the heap is at its maximum, or the driver refused the chunk.
+            XdnaError: ENOSPC when the heap is at its 512 MiB maximum, or the driver refused the chunk.
         """
         with self.file.lock:
             if not self._heap_state.chunks:
                 return self.ensure_heap()
             if len(self._heap_state.chunks) * HEAP_CHUNK_SIZE >= HEAP_MAX_SIZE:
-                raise XdnaError(errno.ENOSPC, f"{format_call('CREATE_BO', {'type': 'DEV'})}: "
-                                              f"{errno_text(errno.ENOSPC)}; device heap is at its "
-                                              f"{HEAP_MAX_SIZE >> 20} MiB maximum")
+                raise ioctl_error("CREATE_BO", {"type": "DEV_HEAP", "size": HEAP_CHUNK_SIZE}, errno.ENOSPC,
+                                  f"device heap is at its {HEAP_MAX_SIZE >> 20} MiB maximum")
             return self._add_heap_chunk()
 
     def heap_cpu_address(self, xdna_addr: int) -> int:
@@ -556,13 +556,13 @@ class Device:
 
     def _add_heap_chunk(self) -> HeapChunk:
         file, state = self.file, self._heap_state
-        if state.reservation is None:
-            state.reservation = (self._reserve(HEAP_MAX_SIZE), HEAP_MAX_SIZE)
-            file.register(_release_reservation, file, state)
-        va = state.reservation[0] + len(state.chunks) * HEAP_CHUNK_SIZE
         handle = create_bo(file, HEAP_CHUNK_SIZE, abi.AMDXDNA_BO_DEV_HEAP, "DEV_HEAP")
         try:
             info = get_bo_info(file, handle)
+            if state.reservation is None:
+                state.reservation = (_reserve(file, HEAP_MAX_SIZE, HEAP_CHUNK_SIZE), HEAP_MAX_SIZE)
+                file.register(_release_reservation, file, state)
+            va = state.reservation[0] + len(state.chunks) * HEAP_CHUNK_SIZE
             map_bo(file, HEAP_CHUNK_SIZE, info.map_offset, va)
         except BaseException:
             release_steps(lambda: gem_close(file, handle))
@@ -571,13 +571,6 @@ class Device:
         state.chunks.append(chunk)
         file.register(_release_heap_chunk, file, chunk)
         return chunk
-
-    def _reserve(self, length: int) -> int:
-        try:
-            return self.file.seam.reserve(length, HEAP_CHUNK_SIZE)
-        except OSError as exc:
-            raise error_class("reserve", exc.errno)(exc.errno, f"{format_call('reserve', {'length': length})}: "
-                                                               f"{errno_text(exc.errno)}") from exc
 
     # -- factories -----------------------------------------------------------------------------
 
@@ -655,17 +648,22 @@ def gem_close(file: DeviceFile, handle: int) -> None:
 
 
 def map_bo(file: DeviceFile, length: int, offset: int, addr: int = 0) -> int:
-    """mmap a BO through the seam; errors name mmap, offset and errno.
+    """mmap a BO through the seam (MAP_FIXED at ``addr`` when non-zero).
 
     Raises:
-        XdnaError: the mapping failed.
+        XdnaError: the mapping failed; the message names mmap, length, offset, addr and the errno.
     """
     try:
         return file.seam.mmap(length, offset, addr)
     except OSError as exc:
-        fields = {"length": length, "offset": offset, "addr": addr}
-        raise error_class("mmap", exc.errno)(exc.errno, f"{format_call('mmap', fields)}: "
-                                                        f"{errno_text(exc.errno)}") from exc
+        raise ioctl_error("mmap", {"length": length, "offset": offset, "addr": addr}, exc.errno) from exc
+
+
+def _reserve(file: DeviceFile, length: int, alignment: int) -> int:
+    try:
+        return file.seam.reserve(length, alignment)
+    except OSError as exc:
+        raise ioctl_error("reserve", {"length": length, "alignment": alignment}, exc.errno) from exc
 
 
 class _HeapState:

@@ -33,7 +33,7 @@ from .xclbin import Xclbin, build_mlir_aie
 
 __all__ = [
     "PASS", "WARN", "FAIL", "SKIP", "DEVICE_CHECKS", "MEMLOCK_NEEDED", "CheckResult", "Identity", "Host",
-    "find_nodes", "node_path", "sysfs_attributes", "is_emulated", "bind_model",
+    "find_nodes", "node_path", "sysfs_attributes", "hex_attribute", "is_emulated", "bind_model",
     "check_node", "check_permission", "check_memlock", "check_kernel_log", "parse_kernel_log", "read_kernel_log",
     "check_feature_level", "check_firmware", "check_contexts", "check_self_test", "run_checks", "worst",
 ]
@@ -204,7 +204,8 @@ def sysfs_attributes(root: Path, accel_name: str) -> dict[str, str]:
     return found
 
 
-def _hex_attr(attributes: dict[str, str], name: str) -> int | None:
+def hex_attribute(attributes: dict[str, str], name: str) -> int | None:
+    """Sysfs attribute ``name`` (``"0x1502"``) as an int; None when absent or not hexadecimal."""
     try:
         return int(attributes[name], 16)
     except (KeyError, ValueError):
@@ -229,7 +230,7 @@ def check_node(host: Host, node: Path | None) -> CheckResult:
 
 
 def _describe_pci(attributes: dict[str, str]) -> str:
-    device_id, revision = _hex_attr(attributes, "device"), _hex_attr(attributes, "revision")
+    device_id, revision = hex_attribute(attributes, "device"), hex_attribute(attributes, "revision")
     if device_id is None:
         return "PCI id unknown"
     gen = pci_generation(device_id, revision or 0) or "unknown generation"

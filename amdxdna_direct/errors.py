@@ -21,7 +21,9 @@ __all__ = [
     "CommandTimeout",
     "DeviceLostError",
     "errno_text",
+    "error_class",
     "format_call",
+    "format_fields",
     "ioctl_error",
 ]
 
@@ -89,9 +91,12 @@ class DeviceLostError(XdnaError):
     """The device answered ENODEV (removed, reset or wedged). Latched: every later call raises it."""
 
 
-# One table: (ioctl name or None for any, errno) -> class. Spec amdxdna-uapi.md 4.1 steps 8-9 for
-# CREATE_HWCTX (ENODEV no partition, EINVAL firmware refusal at the context limit, EBUSY handle
-# exhaustion); 4.0 for ENODEV after unplug and EACCES for root-only requests.
+# One table: (operation name or None for any, errno) -> class. Spec amdxdna-uapi.md 4.1 for
+# CREATE_HWCTX: step 8 ENODEV (no free or shareable partition) and EINVAL (firmware refused: the
+# context limit), step 9 EBUSY (<= 7.0) / ENOSPC (staging) when context handles run out, step 4
+# ENOSPC when the fd's heap has no room for the context's command-list buffers. 4.0: ENODEV after
+# unplug, EACCES for root-only requests. open(2) answers ENOENT/ENXIO/ENODEV for a missing or
+# unbound node.
 _ERRNO_CLASSES: dict[tuple[str | None, int], type[XdnaError]] = {
     ("CREATE_HWCTX", errno_mod.ENODEV): ContextUnavailableError,
     ("CREATE_HWCTX", errno_mod.EINVAL): ContextUnavailableError,
@@ -99,6 +104,7 @@ _ERRNO_CLASSES: dict[tuple[str | None, int], type[XdnaError]] = {
     ("CREATE_HWCTX", errno_mod.ENOSPC): ContextUnavailableError,
     ("open", errno_mod.ENOENT): NoDeviceError,
     ("open", errno_mod.ENXIO): NoDeviceError,
+    ("open", errno_mod.ENODEV): NoDeviceError,
     (None, errno_mod.ENODEV): DeviceLostError,
     (None, errno_mod.EACCES): PermissionDeniedError,
     (None, errno_mod.EPERM): PermissionDeniedError,
@@ -116,14 +122,19 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def format_fields(fields: Mapping[str, Any] | None) -> str:
+    """``"a=1, b=0x4000000"``: key fields as messages and the trace show them (large ints in hex)."""
+    return ", ".join(f"{k}={_format_value(v)}" for k, v in (fields or {}).items())
+
+
 def format_call(name: str, fields: Mapping[str, Any] | None = None) -> str:
     """``"NAME(a=1, b=0x4000000)"``: an operation with its key fields, as used in every message."""
-    inner = ", ".join(f"{k}={_format_value(v)}" for k, v in (fields or {}).items())
-    return f"{name}({inner})"
+    return f"{name}({format_fields(fields)})"
 
 
 def error_class(name: str | None, err: int) -> type[XdnaError]:
-    """The exception class for ``err`` answered by operation ``name`` (the one table above)."""
+    """The exception class for ``err`` answered by operation ``name`` (the one table above);
+    ``XdnaError`` for an errno the table does not single out."""
     return _ERRNO_CLASSES.get((name, err)) or _ERRNO_CLASSES.get((None, err)) or XdnaError
 
 

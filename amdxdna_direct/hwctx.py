@@ -22,12 +22,12 @@ import numpy as np
 from . import abi
 from . import insts as insts_mod
 from .device import DeviceFile, release_steps
-from .errors import XdnaError, errno_text, format_call
+from .errors import XdnaError, ioctl_error
 
 if TYPE_CHECKING:
     from .bo import Bo
     from .device import Device
-    from .kernel import Kernel, Run
+    from .kernel import Kernel, Run, RunList
 
 __all__ = ["HwContext", "ComputeUnit", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin"]
 
@@ -40,12 +40,10 @@ _USER_START_COL_NONE = 0xFF
 MAX_NUM_CUS = 32  # driver limit for CONFIG_CU (spec 1.3)
 
 
-def _priorities() -> dict[str, int]:
-    return {"realtime": abi.AMDXDNA_QOS_REALTIME_PRIORITY, "high": abi.AMDXDNA_QOS_HIGH_PRIORITY,
-            "normal": abi.AMDXDNA_QOS_NORMAL_PRIORITY, "low": abi.AMDXDNA_QOS_LOW_PRIORITY}
-
-
-PRIORITIES = ("realtime", "high", "normal", "low")
+# qos.priority values (spec amdxdna-uapi.md 3; the driver maps any other value, 0 included, to HIGH).
+_PRIORITY_VALUES = {"realtime": abi.AMDXDNA_QOS_REALTIME_PRIORITY, "high": abi.AMDXDNA_QOS_HIGH_PRIORITY,
+                    "normal": abi.AMDXDNA_QOS_NORMAL_PRIORITY, "low": abi.AMDXDNA_QOS_LOW_PRIORITY}
+PRIORITIES = tuple(_PRIORITY_VALUES)
 
 
 @dataclass(frozen=True)
@@ -104,10 +102,9 @@ def _priority_value(priority: int | str | None) -> int:
     if priority is None:
         return 0
     if isinstance(priority, str):
-        table = _priorities()
-        if priority.lower() not in table:
+        if priority.lower() not in _PRIORITY_VALUES:
             raise ValueError(f"priority must be one of {PRIORITIES} or an int, got {priority!r}")
-        return table[priority.lower()]
+        return _PRIORITY_VALUES[priority.lower()]
     if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 0xFFFFFFFF:
         raise ValueError(f"priority must be one of {PRIORITIES} or a u32, got {priority!r}")
     return priority
@@ -143,7 +140,7 @@ class HwContext:
         self._lock = threading.Lock()
         self._insts: dict[str, tuple[Bo, int]] = {}
         self._kernels: dict[str, Kernel] = {}
-        self._runs: weakref.WeakSet[Run] = weakref.WeakSet()
+        self._runs: weakref.WeakSet[Run | RunList] = weakref.WeakSet()
         self._closed = False
         self.cus: list[ComputeUnit] = []
         self.handle, self.syncobj = self._create()
@@ -217,8 +214,7 @@ class HwContext:
             XdnaError: EBADF naming ``what`` and the context handle.
         """
         if self.closed:
-            raise XdnaError(errno.EBADF, f"{format_call(what, {'hwctx': self.handle})}: "
-                                         f"{errno_text(errno.EBADF)}; context is closed")
+            raise ioctl_error(what, {"hwctx": self.handle}, errno.EBADF, "context is closed")
 
     def cu(self, name: str | None = None) -> ComputeUnit:
         """The CU of kernel ``name`` (default: the first).
@@ -275,9 +271,9 @@ class HwContext:
             self._insts[digest] = (bo, len(data) // 4)
             return self._insts[digest]
 
-    def track(self, run: Run) -> None:
-        """Remember a run so that ``close`` releases its packet buffer."""
-        self._runs.add(run)
+    def track(self, unit: Run | RunList) -> None:
+        """Remember a run or run list so that ``close`` releases its packet buffers first."""
+        self._runs.add(unit)
 
     # -- teardown ------------------------------------------------------------------------------
 

@@ -35,17 +35,17 @@ _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: e
 _CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STATE_TIMEOUT}
 
 
+def _check_timeout(timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return timeout
+
+
 def _monotonic_deadline_ns(timeout: float | None) -> int:
     # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (spec 1.9).
     if timeout is None:
         return _INT64_MAX
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-    return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9))
-
-
-def _root_handle(bo: Bo) -> int:
-    return bo.handle  # sub-buffers carry their parent's handle (spec 1.5)
+    return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(_check_timeout(timeout) * 1e9))
 
 
 def _dedup(handles: Iterable[int]) -> list[int]:
@@ -150,9 +150,10 @@ class Run:
             self._view = memoryview(self.packet.array(np.uint8))
             self.words = cmd.payload_words(len(self._regmap))
             self._encode()
-            self.handles = _dedup(_root_handle(bo) for bo in bos)
-            self._exec = _exec_struct(ctx, self.packet.handle, self.handles)
-            self._wait = _WaitStructs(ctx)
+            # A sub-buffer carries its parent's handle, so the parent is listed once (spec 1.5).
+            self.handles = _dedup(bo.handle for bo in bos)
+            self._exec = _Exec(ctx, self.packet.handle, self.handles)
+            self._wait = _Waiter(ctx)
         except BaseException:
             self.packet.close()
             raise
@@ -171,11 +172,6 @@ class Run:
 
     def _live(self) -> bool:
         return not self.packet.closed
-
-    @property
-    def opcode(self) -> int:
-        """The ERT opcode of the packet (ERT_START_CU)."""
-        return cmd.ERT_START_CU
 
     @property
     def state(self) -> int:
@@ -206,7 +202,7 @@ class Run:
             if self._in_flight:
                 raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
             self.restore()
-            self.seq = _submit(self.ctx, self._exec, self.packet.handle)
+            self.seq = self._exec.submit()
             self._in_flight = True
             self._t0 = time.perf_counter()
             self.elapsed = None
@@ -229,7 +225,7 @@ class Run:
             if self.seq is None:
                 raise RuntimeError(f"Run of {self.kernel.name} was never started")
             if self._in_flight:
-                _wait_seq(self.ctx, self._wait, self.seq, timeout, self.kernel.name)
+                self._wait.wait(self.seq, timeout, self.kernel.name)
                 self._in_flight = False
                 self.elapsed = time.perf_counter() - self._t0
             state = self.state
@@ -253,11 +249,12 @@ class Run:
         self.close()
 
 
-class _WaitStructs:
-    """Preallocated SYNCOBJ_TIMELINE_WAIT (or WAIT_CMD) request for one waiter."""
+class _Waiter:
+    """A preallocated SYNCOBJ_TIMELINE_WAIT (or WAIT_CMD) request, reused by every wait of its owner."""
 
     def __init__(self, ctx: HwContext) -> None:
         ffi = abi.ffi
+        self.ctx = ctx
         if ctx.syncobj:
             self.handles = ffi.new("uint32_t[1]", [ctx.syncobj])
             self.points = ffi.new("uint64_t[1]")
@@ -269,47 +266,62 @@ class _WaitStructs:
         else:
             self.req = ffi.new("struct amdxdna_drm_wait_cmd *")
             self.req.hwctx = ctx.handle
+        self.buf = ffi.buffer(self.req)
+
+    def wait(self, seq: int, timeout: float | None, what: str) -> None:
+        """Block until submission ``seq`` of the context signalled (spec xrt-npu-sequence.md 1.9).
+
+        Raises:
+            CommandTimeout: the deadline passed first (ETIME); ``state`` is RUNNING.
+            XdnaError: the wait ioctl failed otherwise.
+        """
+        ctx, file = self.ctx, self.ctx.device.file
+        try:
+            if ctx.syncobj:
+                self.points[0] = seq
+                self.req.timeout_nsec = _monotonic_deadline_ns(timeout)
+                file.ioctl_buffer(abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, self.buf,
+                                  {"handle": ctx.syncobj, "point": seq,
+                                   "timeout": "forever" if timeout is None else timeout})
+            else:
+                # WAIT_CMD counts milliseconds and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
+                self.req.seq = seq
+                self.req.timeout = 0 if timeout is None else max(1, math.ceil(_check_timeout(timeout) * 1000))
+                file.ioctl_buffer(abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, self.buf,
+                                  {"hwctx": ctx.handle, "seq": seq, "timeout_ms": self.req.timeout})
+        except XdnaError as exc:
+            if exc.errno == errno.ETIME:
+                raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
+                                                  f"{timeout} s: {exc}", kernel=what, state="RUNNING",
+                                     seq=seq) from exc
+            raise
 
 
-def _exec_struct(ctx: HwContext, cmd_handle: int, handles: Sequence[int]):
-    ffi = abi.ffi
-    exe = ffi.new("struct amdxdna_drm_exec_cmd *")
-    args = ffi.new("uint32_t[]", list(handles) or [0])
-    exe.hwctx = ctx.handle
-    exe.type = abi.AMDXDNA_CMD_SUBMIT_EXEC_BUF
-    exe.cmd_handles = cmd_handle  # the handle itself when cmd_count == 1 (spec 1.8)
-    exe.args = int(ffi.cast("uintptr_t", args)) if handles else 0
-    exe.cmd_count = 1
-    exe.arg_count = len(handles)
-    return exe, args
+class _Exec:
+    """A preallocated EXEC_CMD request for one command BO, reused by every submission (spec 1.8)."""
 
+    def __init__(self, ctx: HwContext, cmd_handle: int, handles: Sequence[int]) -> None:
+        ffi = abi.ffi
+        self.file = ctx.device.file
+        self.args = ffi.new("uint32_t[]", list(handles) or [0])
+        self.req = ffi.new("struct amdxdna_drm_exec_cmd *")
+        self.req.hwctx = ctx.handle
+        self.req.type = abi.AMDXDNA_CMD_SUBMIT_EXEC_BUF
+        self.req.cmd_handles = cmd_handle  # the handle itself, not a pointer, when cmd_count == 1
+        self.req.args = int(ffi.cast("uintptr_t", self.args)) if handles else 0
+        self.req.cmd_count = 1
+        self.req.arg_count = len(handles)
+        self.buf = ffi.buffer(self.req)
+        self.fields = {"hwctx": ctx.handle, "cmd_handles": cmd_handle, "arg_count": len(handles)}
 
-def _submit(ctx: HwContext, exe_args, cmd_handle: int) -> int:
-    exe, _ = exe_args
-    ctx.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, exe,
-                          {"hwctx": ctx.handle, "cmd_handles": cmd_handle, "arg_count": exe.arg_count})
-    return exe.seq
+    def submit(self) -> int:
+        """EXEC_CMD; returns the submission's ``seq`` (its timeline point).
 
-
-def _wait_seq(ctx: HwContext, waiter: _WaitStructs, seq: int, timeout: float | None, what: str) -> None:
-    deadline = _monotonic_deadline_ns(timeout)
-    file = ctx.device.file
-    try:
-        if ctx.syncobj:
-            waiter.points[0] = seq
-            waiter.req.timeout_nsec = deadline
-            file.ioctl(abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, waiter.req,
-                       {"handle": ctx.syncobj, "point": seq, "timeout": "forever" if timeout is None else timeout})
-        else:
-            waiter.req.seq = seq
-            waiter.req.timeout = 0 if timeout is None else max(1, math.ceil(timeout * 1000))
-            file.ioctl(abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, waiter.req,
-                       {"hwctx": ctx.handle, "seq": seq, "timeout_ms": waiter.req.timeout})
-    except XdnaError as exc:
-        if exc.errno == errno.ETIME:
-            raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
-                                              f"{timeout} s: {exc}", kernel=what, state="RUNNING", seq=seq) from exc
-        raise
+        Raises:
+            XdnaError: the driver refused (the message names hwctx, cmd_handles and arg_count).
+        """
+        self.file.ioctl_buffer(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, self.buf, self.fields)
+        return self.req.seq
 
 
 def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index: int | None = None,
@@ -341,7 +353,7 @@ class _Chain:
             cmd.encode_chain(self.view, self.handles)
             # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (spec 6.5).
             arg_handles = _dedup([h for run in runs for h in run.handles] + self.handles)
-            self.exec = _exec_struct(ctx, self.bo.handle, arg_handles)
+            self.exec = _Exec(ctx, self.bo.handle, arg_handles)
         except BaseException:
             self.bo.close()
             raise
@@ -377,7 +389,7 @@ class RunList:
         """Build the chain packets.
 
         Raises:
-            ValueError: empty list, runs of another context, mixed opcodes or a repeated run.
+            ValueError: empty list, runs of another context, a repeated run, or a run too large for a chain.
             XdnaError: a chain buffer could not be allocated (nothing is left allocated).
         """
         runs = list(runs)
@@ -387,7 +399,7 @@ class RunList:
         self.chains: list[_Chain] = []
         self.states: list[int] = [cmd.ERT_CMD_STATE_NEW] * len(runs)
         self._lock = threading.Lock()
-        self._wait = _WaitStructs(ctx)
+        self._wait = _Waiter(ctx)
         try:
             for first, group in _split(runs):
                 self.chains.append(_Chain(ctx, group, first))
@@ -414,7 +426,7 @@ class RunList:
                 chain.seq = None
             self.states = [cmd.ERT_CMD_STATE_NEW] * len(self.runs)
             for chain in self.chains:
-                chain.seq = _submit(self.ctx, chain.exec, chain.bo.handle)
+                chain.seq = chain.exec.submit()
         return self
 
     def wait(self, timeout: float | None = None) -> list[int]:
@@ -431,10 +443,10 @@ class RunList:
                 raise RuntimeError("RunList was never started")
             # Timeline points signal in order: the last chain's point covers the earlier ones.
             last = self.chains[-1]
-            _wait_seq(self.ctx, self._wait, last.seq, timeout, f"RunList of {len(self.runs)} runs")
+            self._wait.wait(last.seq, timeout, f"RunList of {len(self.runs)} runs")
             if not self.ctx.syncobj:
                 for chain in self.chains[:-1]:
-                    _wait_seq(self.ctx, self._wait, chain.seq, timeout, f"RunList of {len(self.runs)} runs")
+                    self._wait.wait(chain.seq, timeout, f"RunList of {len(self.runs)} runs")
             failure = None
             for chain in self.chains:
                 failure = failure or self._collect(chain)
@@ -485,9 +497,6 @@ def _check_runs(ctx: HwContext, runs: Sequence[Run]) -> None:
             raise TypeError(f"RunList entry {i} is a {type(run).__name__}, not a Run")
         if run.ctx is not ctx:
             raise ValueError(f"RunList entry {i} belongs to another hardware context")
-        if run.opcode != runs[0].opcode:
-            raise ValueError(f"RunList entry {i} has opcode {run.opcode}, the chain needs one opcode "
-                             f"({runs[0].opcode}) for all sub-commands")
     if len({id(run) for run in runs}) != len(runs):
         raise ValueError("RunList contains the same Run twice (one command buffer cannot be two sub-commands)")
 

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from . import abi
-from .errors import errno_text
+from .errors import errno_text, format_call, format_fields
 
 __all__ = ["Tracer", "TRACER", "enabled", "enable", "disable", "decode", "describe_request"]
 
@@ -61,16 +61,6 @@ def _compound(ffi, value, ctype) -> object:
     return ffi.string(value) if ctype.kind == "array" and ctype.item.cname == "char" else repr(value)
 
 
-def _format_fields(fields: dict[str, object]) -> str:
-    return ", ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0xFFFF:
-        return hex(value)
-    return str(value)
-
-
 class Tracer:
     """Per-process ioctl statistics and decoded log lines.
 
@@ -96,15 +86,15 @@ class Tracer:
             result = issue(request, buf)
         except OSError as exc:
             self._record(name, time.perf_counter() - start, failed=True)
-            log.info("%s %s(%s) -> %s %s", seam_name, name, _format_fields(before),
+            log.info("%s %s -> %s %s", seam_name, format_call(name, before),
                      errno_text(exc.errno) if exc.errno else exc, _duration(time.perf_counter() - start))
             raise
         elapsed = time.perf_counter() - start
         self._record(name, elapsed, failed=False)
         after = decode(ctype, buf)
         changed = {k: v for k, v in after.items() if before.get(k) != v}
-        log.info("%s %s(%s) -> %s {%s} %s", seam_name, name, _format_fields(before), result,
-                 _format_fields(changed), _duration(elapsed))
+        log.info("%s %s -> %s {%s} %s", seam_name, format_call(name, before), result,
+                 format_fields(changed), _duration(elapsed))
         return result
 
     def _record(self, name: str, elapsed: float, failed: bool) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from amdxdna_direct import errors
 from amdxdna_direct.bo import FROM_DEVICE, Bo
-from amdxdna_direct.device import Device, open_device
+from amdxdna_direct.device import Device, open_device, release_steps
 from amdxdna_direct.hwctx import HwContext
 from amdxdna_direct.kernel import RunList
 from sam3.bundle import Bundle, GemmSpec, MhaSpec, OpSpec
@@ -36,8 +36,6 @@ ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
 EVICTION_POLICIES = ("lru", "drain")
 # How a host wait for a command reaches the driver (spec/xrt-npu-sequence.md 1.9).
 WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
-
-# GET_INFO-free identification of the NPU generation (spec/amdxdna-uapi.md 8): PCI id and revision.
 
 
 class NpuError(RuntimeError):
@@ -108,7 +106,7 @@ def _bf16_bits(src: np.ndarray) -> np.ndarray:
 class Io:
     """A GEMM's operands for a row count: `a` (rows `lda` apart), `c`, and per-chunk views of both.
 
-    Keeps the prepared command of every chunk per weight buffer, so a repeated stage only submits.
+    Keeps the prepared commands of its chunks per weight buffer, so a repeated stage only submits.
     """
 
     def __init__(self, spec: GemmSpec, a: Bo, c: Bo, chunks: list[tuple[Bo, Bo]], rows: int,
@@ -121,7 +119,8 @@ class Io:
         self.rows = rows
         self.n = spec.n
         self.chained_from = chained_from
-        self._runs: dict[int, tuple[Bo, int, Any]] = {}
+        # id(weights) -> ((weights,), command unit); built by Npu on first use, rebuilt after an eviction.
+        self._units: dict[Any, tuple[tuple[Bo, ...], Any]] = {}
 
     @property
     def chained(self) -> bool:
@@ -134,6 +133,8 @@ class Io:
         Raises:
             NpuError: A is chained (another kernel's output).
             ValueError: `src` is larger than A.
+            TypeError: `src` is neither bf16 bits nor floats.
+            XdnaError: SYNC_BO failed.
         """
         if self.chained:
             raise NpuError(f"{self.key}: A is {self.chained_from}'s C (chained); set_a would overwrite a "
@@ -152,35 +153,12 @@ class Io:
         """The first `rows` rows of C as bf16 bits, `[rows][n]`, copied out.
 
         Raises:
-            ValueError: more rows than C holds.
+            ValueError: more rows than C holds (or negative).
+            XdnaError: SYNC_BO failed.
         """
         if not 0 <= rows <= self.rows:
             raise ValueError(f"{self.key}: get_c({rows}) outside C's {self.rows} rows")
         return pull(self.c, rows * self.n).reshape(rows, self.n)
-
-    def prepared(self, kernel: Any, epoch: int, w: Bo, insts: bytes) -> Any:
-        """The stage's command unit for weights `w` on context incarnation `epoch`: one Run for a single
-        chunk, else a RunList of every chunk (built on first use, reused after)."""
-        entry = self._runs.get(id(w))
-        if entry is not None and entry[0] is w and entry[1] == epoch:
-            return entry[2]
-        unit = _unit(kernel, [kernel.prepare_npu(insts, [a, w, c]) for a, c in self.chunks])
-        for stale in [k for k, v in self._runs.items() if v[1] != epoch]:
-            _release(self._runs.pop(stale)[2])
-        self._runs[id(w)] = (w, epoch, unit)
-        return unit
-
-
-def _unit(kernel: Any, runs: list[Any]) -> Any:
-    return runs[0] if len(runs) == 1 else RunList(kernel.ctx, runs)
-
-
-def _release(unit: Any) -> None:
-    """Frees a stale command unit's packet buffers (its context is gone; nothing to report)."""
-    try:
-        unit.close()
-    except errors.XdnaError:
-        pass
 
 
 class MhaIo:
@@ -192,13 +170,15 @@ class MhaIo:
         self.batch = batch
         self.q, self.k, self.v, self.o = buffers
         self.items = [[b.sub(i * item_bytes, item_bytes) for b in buffers] for i in range(batch)]
-        self._runs: tuple[int, Any] | None = None
+        self._units: dict[Any, tuple[tuple[Bo, ...], Any]] = {}
 
     def set_qkv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
         """Pushes q, k, v (`[batch][heads][seq][d]`, bf16 bits or floats); returns bytes pushed.
 
         Raises:
             ValueError: a tensor of the wrong size.
+            TypeError: a tensor neither bf16 bits nor floats.
+            XdnaError: SYNC_BO failed.
         """
         want = self.batch * self.spec.elems
         total = 0
@@ -210,17 +190,13 @@ class MhaIo:
         return total
 
     def get_o(self) -> np.ndarray:
-        """o as bf16 bits, `[batch][heads][seq][d]`."""
+        """o as bf16 bits, `[batch][heads][seq][d]`.
+
+        Raises:
+            XdnaError: SYNC_BO failed.
+        """
         s = self.spec
         return pull(self.o, self.batch * s.elems).reshape(self.batch, s.heads, s.seq, s.d)
-
-    def prepared(self, kernel: Any, epoch: int, insts: bytes) -> Any:
-        """One command per item as one unit (Run or RunList), built once per context incarnation."""
-        if self._runs is None or self._runs[0] != epoch:
-            if self._runs is not None:
-                _release(self._runs[1])
-            self._runs = (epoch, _unit(kernel, [kernel.prepare_npu(insts, item) for item in self.items]))
-        return self._runs[1]
 
 
 @dataclass
@@ -237,7 +213,6 @@ class Stage:
     bytes_out: int = 0
     seconds: float = 0.0
     max_rel_err: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
         """The stage as the demo's JSON object."""

@@ -854,8 +854,8 @@ def test_profiles_and_options():
     assert {name: (p.pci_device, p.pci_revision, p.columns, p.hwctx_limit, p.txn_dev_gen)
             for name, p in PROFILES.items()} == {"npu1": (0x1502, 0x00, 5, 6, 3), "npu4": (0x17F0, 0x10, 8, 16, 4),
                                                 "npu5": (0x17F0, 0x11, 8, 16, 4), "npu6": (0x17F0, 0x20, 8, 16, 4)}
-    with pytest.raises(ValueError, match="expandable_heap"):
-        EmuDevice("npu4", expandable_heap=True)
+    with pytest.raises(ValueError, match="dev_heap_max_size"):
+        EmuDevice("npu4", dev_heap_max_size=3 << 20)
     with pytest.raises(KeyError):
         EmuDevice("npu9")
 

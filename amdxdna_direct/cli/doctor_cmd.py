@@ -6,9 +6,9 @@ import argparse
 import json
 import os
 import sys
-import textwrap
 
 from .. import doctor
+from .info_cmd import DEVICE_ENV, add_device_option, command_parser, device_spec
 
 __all__ = ["add_parser", "run", "format_results"]
 
@@ -25,23 +25,21 @@ checks, in order:
 
 exit codes:
   0    no check failed (warnings and skipped checks allowed)
-  1    at least one check failed
-  2    usage error (bad option, unknown --user)"""
+  1    at least one check failed (a malformed --xclbin/--insts fails the self-test)
+  2    usage error (bad option, unknown --user, unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
 
 _MARK = {doctor.PASS: "pass", doctor.WARN: "WARN", doctor.FAIL: "FAIL", doctor.SKIP: "skip"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``doctor`` on an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
-        "doctor", help="check the NPU setup and print the fix for each problem",
-        description=textwrap.fill(
-            "Check everything between this process and a working NPU, printing pass / WARN / FAIL / "
-            "skip per check with what was found and, when it is not a pass, the fix.", 100),
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", metavar="DEV",
-                        help="device to check: /dev/accel/accelN, emu, emu:npu1, ... (default: $AMDXDNA_DEVICE, "
-                             "else the first /dev/accel/accel* node under --root)")
+    parser = command_parser(
+        subparsers, "doctor", "check the NPU setup and print the fix for each problem",
+        "Check everything between this process and a working NPU, printing pass / WARN / FAIL / skip per "
+        "check with what was found and, when it is not a pass, the fix.", EXIT_CODES)
+    # $AMDXDNA_DEVICE names a device of this machine: run() applies it only to the real root.
+    add_device_option(parser, "device to check",
+                      "$AMDXDNA_DEVICE, else the first /dev/accel/accel* node under --root", from_env=False)
     parser.add_argument("--root", default="/", metavar="DIR",
                         help="filesystem root holding dev/, sys/, etc/ and dev/kmsg (default: /; a copied or "
                              "fake tree for offline diagnosis)")
@@ -61,13 +59,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the checks; return 1 if any failed, else 0 (2 for an unknown --user)."""
+    """Run the checks; return 1 if any failed, else 0 (2 for an unknown --user or a bad $AMDXDNA_DEVICE)."""
     try:
         host = doctor.Host.probe(args.root, user=args.user)
-    except LookupError as exc:
+        device = args.device if args.device is not None else _env_device(args.root)
+    except (LookupError, argparse.ArgumentTypeError) as exc:
         print(f"amdxdna doctor: {exc}", file=sys.stderr)
         return 2
-    device = args.device if args.device is not None else _env_device(args.root)
     results = doctor.run_checks(device, host=host, xclbin=args.xclbin, insts=args.insts)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
@@ -77,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _env_device(root: str) -> str | None:
-    # $AMDXDNA_DEVICE names a device of this machine, so it only applies to the real root.
-    if root != "/":
-        return None
-    return os.environ.get("AMDXDNA_DEVICE") or None
+    """``$AMDXDNA_DEVICE`` when checking the real root, else None.
+
+    Raises:
+        argparse.ArgumentTypeError: it names an unknown emulator profile.
+    """
+    text = os.environ.get(DEVICE_ENV) if root == "/" else None
+    return device_spec(text) if text else None
 
 
 def format_results(results: list[doctor.CheckResult]) -> str:

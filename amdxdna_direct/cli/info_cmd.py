@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -21,8 +22,10 @@ from .. import doctor, open_device
 from ..device import Device, pci_generation
 from ..errors import XdnaError
 
-__all__ = ["collect", "format_info", "sysfs_pci", "add_parser", "run"]
+__all__ = ["collect", "format_info", "sysfs_pci", "command_parser", "device_spec", "add_device_option", "add_parser",
+           "run"]
 
+DEVICE_ENV = "AMDXDNA_DEVICE"
 NOT_SUPPORTED = "not supported by this driver"
 DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdxdna_device_type (spec 3)
 
@@ -30,21 +33,56 @@ EXIT_CODES = """\
 exit codes:
   0    the device was opened and queried (unsupported queries are reported, not failures)
   1    the device could not be opened (message on stderr; `amdxdna doctor` says why)
-  2    usage error"""
+  2    usage error (bad option; unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
+
+
+def command_parser(subparsers, name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand parser: one-line ``summary`` for ``amdxdna --help``, ``description`` wrapped, ``epilog`` as is.
+
+    Shared by the device commands (info, doctor, run, trace) so their help reads the same.
+    """
+    return subparsers.add_parser(name, help=summary, description=textwrap.fill(description, 100), epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def device_spec(text: str) -> str:
+    """Check a ``--device`` value (an argparse ``type``): what :func:`open_device` takes as a string.
+
+    A node path is only checked when opened (the open names the errno); an emulator spec is checked
+    here, so that a mistyped profile is a usage error (exit 2) rather than a failed device.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty value, or ``emu:<profile>`` with an unknown profile.
+    """
+    from ..emu import PROFILES
+
+    if not text:
+        raise argparse.ArgumentTypeError("empty device: expected /dev/accel/accelN, emu or emu:<profile>")
+    kind, _, profile = text.partition(":")
+    if kind == "emu" and profile and profile not in PROFILES:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown emulator profile {profile!r} "
+                                         f"(profiles: {', '.join(sorted(PROFILES))})")
+    return text
+
+
+def add_device_option(parser: argparse.ArgumentParser, what: str, default: str, from_env: bool = True) -> None:
+    """``--device DEV`` (checked by :func:`device_spec`); ``from_env`` takes ``$AMDXDNA_DEVICE`` as default.
+
+    argparse runs ``type`` on a string default too, so a bad ``$AMDXDNA_DEVICE`` is a usage error as well.
+    """
+    parser.add_argument("--device", metavar="DEV", type=device_spec,
+                        default=(os.environ.get(DEVICE_ENV) or None) if from_env else None,
+                        help=f"{what}: /dev/accel/accelN, emu, emu:npu1, emu:npu4, ... (default: {default})")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``info`` on an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
-        "info", help="show the device, driver, firmware, AIE array, clocks and live contexts",
-        description=textwrap.fill(
-            "Show the device node, PCI id and generation, driver name and DRM version (feature level), "
-            "firmware version, AIE version and geometry, clocks, power mode, resource info and a table "
-            "of live hardware contexts (id, columns, pid, submissions, completions, errors).", 100),
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", metavar="DEV",
-                        help="device: /dev/accel/accelN, emu, emu:npu1, emu:npu4, ... (default: $AMDXDNA_DEVICE, "
-                             "else the first /dev/accel node driven by amdxdna)")
+    parser = command_parser(
+        subparsers, "info", "show the device, driver, firmware, AIE array, clocks and live contexts",
+        "Show the device node, PCI id and generation, driver name and DRM version (feature level), "
+        "firmware version, AIE version and geometry, clocks, power mode, resource info and a table "
+        "of live hardware contexts (id, columns, pid, submissions, completions, errors).", EXIT_CODES)
+    add_device_option(parser, "device to query", "$AMDXDNA_DEVICE, else the first /dev/accel node driven by amdxdna")
     parser.add_argument("--json", action="store_true", help="print one JSON object (default: text)")
     return parser
 
@@ -103,27 +141,17 @@ def _pci(dev: Device) -> dict[str, Any]:
 def sysfs_pci(root: Path, accel_name: str) -> dict[str, Any]:
     """The PCI identity of ``accelN`` from ``root/sys/class/accel/accelN/device`` (spec 8); missing items are None."""
     attributes = doctor.sysfs_attributes(root, accel_name)
-    device_id, revision = (_hex(attributes.get(k)) for k in ("device", "revision"))
-    found = {"source": f"/sys/class/accel/{accel_name}/device", "slot": attributes.get("pci_slot"),
-             "vendor": _hex4(attributes.get("vendor")), "device": _hex4(attributes.get("device")),
-             "revision": f"{revision:02x}" if revision is not None else None,
-             "generation": pci_generation(device_id, revision or 0) if device_id is not None else None,
-             "vbnv": attributes.get("vbnv"), "fw_version": attributes.get("fw_version"),
-             "device_type": DEVICE_TYPES.get(attributes.get("device_type", ""), attributes.get("device_type")),
-             "driver": attributes.get("driver")}
-    return found
+    vendor, device_id, revision = (doctor.hex_attribute(attributes, k) for k in ("vendor", "device", "revision"))
+    return {"source": f"/sys/class/accel/{accel_name}/device", "slot": attributes.get("pci_slot"),
+            "vendor": _hex_text(vendor, 4), "device": _hex_text(device_id, 4), "revision": _hex_text(revision, 2),
+            "generation": pci_generation(device_id, revision or 0) if device_id is not None else None,
+            "vbnv": attributes.get("vbnv"), "fw_version": attributes.get("fw_version"),
+            "device_type": DEVICE_TYPES.get(attributes.get("device_type", ""), attributes.get("device_type")),
+            "driver": attributes.get("driver")}
 
 
-def _hex(text: str | None) -> int | None:
-    try:
-        return int(text, 16) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _hex4(text: str | None) -> str | None:
-    value = _hex(text)
-    return f"{value:04x}" if value is not None else None
+def _hex_text(value: int | None, digits: int) -> str | None:
+    return None if value is None else f"{value:0{digits}x}"
 
 
 def _aie(dev: Device) -> dict[str, Any]:

@@ -125,8 +125,8 @@ class HeapAllocator:
 class HeapWindow:
     """The pages behind an fd's expandable heap: one sparse memfd of the whole device window.
 
-    Chunk k is the file range ``[0x4000000 + cumulative size, + its size) - 0x4000000``; each chunk BO
-    owns a dup of the memfd (for user mmap at its file offset) and the kernel keeps one view of all of it.
+    A chunk's pages start at file offset (its device address - 0x4000000), the sum of the chunks before
+    it; each chunk BO owns a dup of the memfd (user mmap at that offset) and the kernel keeps one view.
     """
 
     def __init__(self, size: int):
@@ -142,10 +142,11 @@ class HeapWindow:
         return self._mapping
 
     def close(self) -> None:
-        """Drop the window's own descriptor; the pages live on while any chunk or view holds them."""
+        """Drop the window's descriptor and view; the pages live on while any chunk or view holds them."""
         if self.memfd >= 0:
             os.close(self.memfd)
             self.memfd = -1
+        self._mapping = self.view = None
 
 
 class Memory:
