@@ -232,6 +232,8 @@ def new(ctype: str, **fields: Any) -> Any:
             setattr(pointer, name, value)
         except AttributeError as err:
             raise TypeError(f"new({ctype!r}): no field {name!r}") from err
+        except TypeError as err:
+            raise TypeError(f"new({ctype!r}): {name}={value!r} has the wrong type ({err})") from err
         except OverflowError as err:
             raise ValueError(f"new({ctype!r}): {name}={value!r} does not fit the field") from err
     return pointer

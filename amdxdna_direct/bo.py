@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import abi
-from .device import BoInfo, DeviceFile, create_bo, gem_close, get_bo_info, map_bo, release_steps
-from .errors import XdnaError, ioctl_error
+from .device import BoInfo, DeviceFile, create_bo, gem_close, get_bo_info, map_bo, release_quietly, release_steps, unmap
+from .errors import ioctl_error
 
 if TYPE_CHECKING:
     from .device import Device
@@ -81,7 +81,7 @@ class Bo:
         # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
         self.address = info.xdna_addr if info.xdna_addr != abi.AMDXDNA_INVALID_ADDR else cpu
         self._release = file.register(_release_bo, file, handle, cpu if map_len else 0, map_len)
-        self._finalizer = weakref.finalize(self, self._release)
+        self._finalizer = weakref.finalize(self, release_quietly, self._release, "buffer")
         if kind == "shmem":
             # "new pages may carry dirty cache lines that would later overwrite device output": the
             # shim flushes every new SHARE BO (spec 1.4 "Initial flush").
@@ -154,7 +154,8 @@ class Bo:
             sub._closed = True
         self._closed = True
         if self._finalizer is not None:
-            self._finalizer()
+            self._finalizer.detach()
+            self._release()
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -249,7 +250,7 @@ def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, i
     bo_type, type_name = _BO_TYPES[kind]
     if kind == "dev":
         device.ensure_heap()
-        handle = _create_dev_bo(device, size)
+        handle = device.growing_heap(lambda: create_bo(file, size, abi.AMDXDNA_BO_DEV, "DEV"))
     else:
         handle = create_bo(file, size, bo_type, type_name)
     try:
@@ -264,30 +265,7 @@ def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, i
         raise
 
 
-def _create_dev_bo(device: Device, size: int) -> int:
-    # Expandable-heap drivers answer EAGAIN when the heap is short: XRT then adds a contiguous
-    # 64 MiB chunk and retries (spec amdxdna-uapi.md 4.4). Older drivers answer ENOSPC (no growth).
-    # The loop ends: grow_heap raises ENOSPC at the 512 MiB maximum, or the driver refuses the chunk.
-    while True:
-        chunks = len(device.heap)
-        try:
-            return create_bo(device.file, size, abi.AMDXDNA_BO_DEV, "DEV")
-        except XdnaError as exc:
-            if exc.errno != errno.EAGAIN:
-                raise
-        with device.file.lock:
-            if len(device.heap) == chunks:      # another thread may have grown it meanwhile
-                device.grow_heap()
-
-
 def _release_bo(file: DeviceFile, handle: int, addr: int, length: int) -> None:
-    def unmap() -> None:
-        if length:
-            file.seam.munmap(addr, length)
-
-    def close_handle() -> None:
-        # After the fd closed (or the device was lost) the driver has already dropped the handle.
-        if not file.closed and file.lost is None:
-            gem_close(file, handle)
-
-    release_steps(unmap, close_handle)
+    # munmap, then GEM_CLOSE (spec xrt-npu-sequence.md 1.10); DEV BOs have no mapping of their own.
+    steps = [lambda: unmap(file, addr, length)] if length else []
+    release_steps(*steps, lambda: gem_close(file, handle))

@@ -20,7 +20,7 @@ __all__ = [
     "ERT_CMD_STATE_ERROR", "ERT_CMD_STATE_ABORT", "ERT_CMD_STATE_SUBMITTED", "ERT_CMD_STATE_TIMEOUT",
     "ERT_CMD_STATE_NORESPONSE", "STATE_NAMES", "state_name",
     "Header", "Health", "make_header", "decode_header", "read_state", "write_state",
-    "encode_regmap", "encode_start_cu", "payload_words", "encode_chain", "decode_chain", "decode_health",
+    "encode_regmap", "encode_start_cu", "payload_words", "encode_chain", "decode_chain", "ChainInfo", "decode_health",
     "chain_slot_cost", "CHAIN_SLOT_BUDGET", "CHAIN_MAX_RUNS", "MAX_PACKET_WORDS",
 ]
 
@@ -54,12 +54,15 @@ MAX_PACKET_WORDS = 0x7FF  # count is an 11-bit field
 _CHAIN_HEADER_WORDS = 6  # command_count, submit_index, error_index, reserved[3] (spec 6.5)
 
 # Chain limits. The driver packs every sub-command into one 4 KiB list buffer; a slot costs a
-# per-slot header plus 4 bytes per argument word, the largest header being the NPU one (52 B,
-# spec amdxdna-uapi.md 6.5; ROCr counts 52 + 4 * arg_cnt). XRT also never puts more than 24
-# runs into one chain packet (spec xrt-npu-sequence.md 1.7), so neither do we.
+# per-slot header plus 4 bytes per argument word. Which header a slot gets depends on the firmware
+# (CF 8 B, legacy DPU 24 B, NPU 52 B; spec amdxdna-uapi.md 6.5), so the budget is counted with the
+# largest, as ROCr does (52 + 4 * arg_cnt, spec xrt-npu-sequence.md 1.7): a 15-word mlir-aie slot
+# costs 112 B and 36 of them fit. The count cap is the driver's 64 sub-commands (spec 1.7; 6.5 says
+# KMQ has no count cap, so 64 satisfies both readings). XRT's 24 runs per chain is a choice of its
+# runlist, not a driver limit: following the budget instead costs a 100-run stage 3 EXEC_CMDs, not 5.
 CHAIN_SLOT_BUDGET = 4096
 _CHAIN_SLOT_HEADER = 52
-CHAIN_MAX_RUNS = 24
+CHAIN_MAX_RUNS = 64
 
 _U32 = struct.Struct("<I")
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import errno
 import glob
+import logging
 import os
 import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import abi, trace
 from .errors import DeviceLostError, NoDeviceError, XdnaError, errno_text, format_call, ioctl_error
@@ -31,6 +32,10 @@ __all__ = [
     "BoInfo", "DeviceFile", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE", "PCI_GENERATIONS", "TXN_DEV_GEN",
     "pci_generation",
 ]
+
+log = logging.getLogger("amdxdna_direct")
+
+T = TypeVar("T")
 
 DRIVER_NAME = "amdxdna_accel_driver"  # DRM_IOCTL_VERSION name (spec amdxdna-uapi.md 5)
 DEFAULT_EMU_PROFILE = "npu4"
@@ -246,10 +251,15 @@ class DeviceFile:
                 return trace.TRACER.call(self.name, request, buf, self.seam.ioctl)
             return self.seam.ioctl(request, buf)
         except OSError as exc:
-            err = ioctl_error(name, fields, exc.errno or errno.EIO, hint)
-            if isinstance(err, DeviceLostError):
-                self.lost = err
-            raise err from exc
+            raise self.error(name, fields, exc, hint) from exc
+
+    def error(self, name: str, fields: Mapping[str, Any] | None, exc: OSError, hint: str = "") -> XdnaError:
+        """The typed error for a failed syscall on this file; a ``DeviceLostError`` is latched here, so
+        every later ioctl raises it without reaching the device."""
+        err = ioctl_error(name, fields, exc.errno or errno.EIO, hint)
+        if isinstance(err, DeviceLostError) and self.lost is None:
+            self.lost = err
+        return err
 
     def register(self, fn: Callable[..., None], *args: Any) -> _Resource:
         """Record a release action; ``close`` runs the live ones in reverse order of registration."""
@@ -325,7 +335,7 @@ class Device:
         self.file = DeviceFile(seam, emulator, owns_emulator)
         self._heap_state = _HeapState()
         self._metadata: AieMetadata | None = None
-        self._finalizer = weakref.finalize(self, _close_quietly, self.file)
+        self._finalizer = weakref.finalize(self, release_quietly, self.file.close, "device")
         try:
             self.version = self._query_version()
         except BaseException:
@@ -543,6 +553,28 @@ class Device:
                                   f"device heap is at its {HEAP_MAX_SIZE >> 20} MiB maximum")
             return self._add_heap_chunk()
 
+    def growing_heap(self, allocate: Callable[[], T]) -> T:
+        """``allocate()``, growing the heap and retrying while the driver answers EAGAIN.
+
+        Expandable-heap drivers answer EAGAIN when the heap is short (a DEV BO, or a context's internal
+        buffers): XRT then adds a contiguous 64 MiB chunk and retries (spec amdxdna-uapi.md 4.4). Older
+        drivers answer ENOSPC and nothing grows. The loop ends: ``grow_heap`` raises ENOSPC at the
+        512 MiB maximum, or the driver refuses the chunk.
+
+        Raises:
+            XdnaError: what ``allocate`` or ``grow_heap`` raised, other than EAGAIN.
+        """
+        while True:
+            chunks = len(self.heap)
+            try:
+                return allocate()
+            except XdnaError as exc:
+                if exc.errno != errno.EAGAIN:
+                    raise
+            with self.file.lock:
+                if len(self.heap) == chunks:      # another thread may have grown it meanwhile
+                    self.grow_heap()
+
     def heap_cpu_address(self, xdna_addr: int) -> int:
         """The CPU address of a device address inside the heap (heap VA + offset, spec 1.2).
 
@@ -656,14 +688,14 @@ def map_bo(file: DeviceFile, length: int, offset: int, addr: int = 0) -> int:
     try:
         return file.seam.mmap(length, offset, addr)
     except OSError as exc:
-        raise ioctl_error("mmap", {"length": length, "offset": offset, "addr": addr}, exc.errno) from exc
+        raise file.error("mmap", {"length": length, "offset": offset, "addr": addr}, exc) from exc
 
 
 def _reserve(file: DeviceFile, length: int, alignment: int) -> int:
     try:
         return file.seam.reserve(length, alignment)
     except OSError as exc:
-        raise ioctl_error("reserve", {"length": length, "alignment": alignment}, exc.errno) from exc
+        raise file.error("reserve", {"length": length, "alignment": alignment}, exc) from exc
 
 
 class _HeapState:
@@ -684,19 +716,32 @@ def _release_reservation(file: DeviceFile, state: _HeapState) -> None:
     state.reservation = None
     state.chunks.clear()
     if length > used:
-        file.seam.munmap(base + used, length - used)
+        unmap(file, base + used, length - used)
 
 
 def _release_heap_chunk(file: DeviceFile, chunk: HeapChunk) -> None:
-    release_steps(lambda: file.seam.munmap(chunk.va, chunk.size), lambda: gem_close(file, chunk.handle))
+    release_steps(lambda: unmap(file, chunk.va, chunk.size), lambda: gem_close(file, chunk.handle))
 
 
-def _close_quietly(file: DeviceFile) -> None:
-    # Garbage collection of a Device nobody closed: release what is left; errors have nowhere to go.
+def release_quietly(release: Callable[[], None], what: str) -> None:
+    """Run the release of a ``what`` nobody closed, from its garbage-collection finalizer: a failure
+    cannot be raised to anyone there, so it is logged (logger ``amdxdna_direct``, WARNING)."""
     try:
-        file.close()
-    except XdnaError:
-        pass
+        release()
+    except XdnaError as exc:
+        log.warning("releasing a garbage-collected %s failed: %s", what, exc)
+
+
+def unmap(file: DeviceFile, addr: int, length: int) -> None:
+    """munmap through the seam.
+
+    Raises:
+        XdnaError: munmap failed (names addr, length and the errno).
+    """
+    try:
+        file.seam.munmap(addr, length)
+    except OSError as exc:
+        raise file.error("munmap", {"addr": addr, "length": length}, exc) from exc
 
 
 # ---------------------------------------------------------------------------------------------

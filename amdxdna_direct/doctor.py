@@ -12,6 +12,7 @@ spec/xrt-npu-sequence.md 1.1 (discovery) and 1.2 (64 MiB heap mapped MAP_LOCKED 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -27,7 +28,8 @@ import numpy as np
 from . import abi
 from . import insts as insts_mod
 from .device import Device, open_device, pci_generation, release_steps
-from .errors import ContextUnavailableError, XdnaError
+from .errors import ContextUnavailableError, XdnaError, errno_text
+from .hwctx import QOS_BUFFER_SIZE
 from .insts import BlockWrite, DdrPatch
 from .xclbin import Xclbin, build_mlir_aie
 
@@ -486,10 +488,23 @@ def _context_load(dev: Device) -> tuple[list[Any], int | None, str]:
         return live, CONTEXT_LIMITS.get(dev.generation or ""), ""
 
 
+# struct amdxdna_qos_info as the out-of-tree driver reads it: u32 user_start_col at byte 24, 0xFF = not
+# requested (spec amdxdna-uapi.md 12); the same buffer the runtime passes (hwctx.QOS_BUFFER_SIZE bytes).
+QOS_USER_START_COL = slice(24, 28)
+USER_START_COL_NONE = 0xFF
+
+
 def _probe_context(dev: Device) -> None:
+    """CREATE_HWCTX of one column with a zero QoS (so max_opc 0, spec 9 step 4), then its release.
+
+    Raises:
+        ContextUnavailableError: the firmware or the columns have no room (ENODEV / EINVAL / EBUSY).
+        XdnaError: another failure of the heap, the query or an ioctl.
+    """
     dev.ensure_heap()  # CREATE_HWCTX needs a mapped heap on this fd (spec 4.1 step 3)
     ffi = abi.ffi
-    qos = ffi.new("uint8_t[]", 32)  # zeroed; 32 bytes suit upstream (24) and out-of-tree (32) drivers (spec 12)
+    qos = ffi.new("uint8_t[]", QOS_BUFFER_SIZE)
+    ffi.buffer(qos)[QOS_USER_START_COL] = USER_START_COL_NONE.to_bytes(4, "little")
     num_tiles = dev.aie_metadata().core.row_count
     req = abi.new("struct amdxdna_drm_create_hwctx", qos_p=abi.address_of(qos), num_tiles=num_tiles)
     dev.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, {"num_tiles": num_tiles, "max_opc": 0})
@@ -509,6 +524,8 @@ def _probe_context(dev: Device) -> None:
 
 
 SELF_TEST_BYTES = 4096
+# A passthrough takes microseconds; reporting a hang after 10 s beats the driver's 60 s TDR (spec amdxdna-uapi.md 6.7).
+SELF_TEST_TIMEOUT = 10.0
 
 
 def check_self_test(dev: Device, xclbin: str | os.PathLike[str] | bytes | None = None,
@@ -525,16 +542,32 @@ def check_self_test(dev: Device, xclbin: str | os.PathLike[str] | bytes | None =
         return CheckResult("self-test", SKIP, "no self-test design is bundled for a real NPU",
                            "pass a passthrough design (e.g. mlir-aie passthrough_dmas) with --xclbin and --insts")
     try:
-        design = _load_design(xclbin, insts) if xclbin is not None else _emulator_design(dev)
-        return _run_passthrough(dev, *design)
-    except (XdnaError, ValueError, OSError) as exc:
+        design, stream = _load_design(xclbin, insts) if xclbin is not None else _emulator_design(dev)
+        extents = _extents(stream)
+    except ValueError as exc:
+        return CheckResult("self-test", FAIL, f"self-test design unusable: {exc}",
+                           "give a passthrough design: `amdxdna xclbin X` and `amdxdna insts I` show what is wrong")
+    try:
+        return _run_passthrough(dev, design, stream, extents)
+    except (XdnaError, ValueError) as exc:
         return CheckResult("self-test", FAIL, f"passthrough kernel failed: {exc}",
                            "see the contexts and kernel-log checks; on a real NPU check that the design matches "
                            "the NPU generation")
 
 
 def _load_design(xclbin: Any, insts: Any) -> tuple[Xclbin, insts_mod.Stream]:
-    return Xclbin.load(xclbin), insts_mod.load(insts)
+    """Raises: ValueError: a file cannot be read or is malformed (the message names it)."""
+    return _load("xclbin", Xclbin.load, xclbin), _load("instruction stream", insts_mod.load, insts)
+
+
+def _load(what: str, loader: Any, source: Any) -> Any:
+    name = source if isinstance(source, (str, os.PathLike)) else f"<{len(source)} bytes>"
+    try:
+        return loader(source)
+    except OSError as exc:
+        raise ValueError(f"{what} {name}: {errno_text(exc.errno)}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{what} {name}: {exc}") from exc
 
 
 def _emulator_design(dev: Device) -> tuple[Xclbin, insts_mod.Stream]:
@@ -548,7 +581,8 @@ def _extents(stream: insts_mod.Stream) -> dict[int, int]:
     """Byte length of each patched buffer: word 0 of the BD whose address word the patch targets (spec 2.3).
 
     Raises:
-        ValueError: a patched BD is not written by a BLOCKWRITE of the stream, so its length is unknown.
+        ValueError: a patched BD is not written by a BLOCKWRITE of the stream (its length is unknown), or
+            fewer than two buffers are patched (no passthrough).
     """
     lengths = {op.addr: 4 * op.words[0] for op in stream.ops if isinstance(op, BlockWrite) and op.words}
     extents = {}
@@ -557,6 +591,8 @@ def _extents(stream: insts_mod.Stream) -> dict[int, int]:
             raise ValueError(f"self-test stream: the BD patched at {op.reg_addr:#x} (slot {op.arg_idx}) is not "
                              "written by a BLOCKWRITE, so its length is unknown")
         extents[op.arg_idx] = lengths[op.reg_addr - 4]
+    if len(extents) < 2:
+        raise ValueError(f"self-test stream patches buffer slots {sorted(extents)}; a passthrough needs two")
     return extents
 
 
@@ -572,31 +608,31 @@ def bind_model(emulator: Any, stream: Any, model: Any) -> str:
     return emulator.models.bind(data, model)
 
 
-def _run_passthrough(dev: Device, xclbin: Xclbin, stream: insts_mod.Stream) -> CheckResult:
+def _run_passthrough(dev: Device, xclbin: Xclbin, stream: insts_mod.Stream, extents: dict[int, int]) -> CheckResult:
+    """Copy a pattern through the design (the lowest patched slot in, the highest out) and compare.
+
+    Raises:
+        XdnaError: the context, a buffer or the run failed.
+        ValueError: the runtime refused the xclbin (no AIE partition, no runnable kernel).
+    """
     from .emu.models import Passthrough
 
-    extents = _extents(stream)
-    if len(extents) < 2:
-        raise ValueError(f"self-test stream patches buffer slots {sorted(extents)}; a passthrough needs two")
     src, dst = min(extents), max(extents)
     if dev.emulator is not None:
         bind_model(dev.emulator, stream, Passthrough())
+    # Neither zeros nor a byte ramp: an untouched or index-filled output buffer cannot pass.
     pattern = (np.arange(extents[src], dtype=np.uint32) * 2654435761 & 0xFF).astype(np.uint8)
-    with dev.hw_context(xclbin) as ctx:
-        bos = {slot: dev.bo(max(size, SELF_TEST_BYTES)) for slot, size in extents.items()}
-        try:
-            bos[src].write(pattern)
-            for bo in bos.values():
-                bo.sync()
-            run = ctx.kernel().prepare_npu(stream, [bos.get(i) for i in range(dst + 1)])
-            run.start()
-            run.wait(10.0)
-            bos[dst].sync()
-            count = min(extents[src], extents[dst])
-            same = bos[dst].read(count) == pattern[:count].tobytes()
-        finally:
-            for bo in bos.values():
-                bo.close()
+    count = min(extents[src], extents[dst])
+    with contextlib.ExitStack() as owned, dev.hw_context(xclbin) as ctx:
+        bos = {slot: owned.enter_context(dev.bo(max(size, SELF_TEST_BYTES))) for slot, size in extents.items()}
+        bos[src].write(pattern)
+        for bo in bos.values():
+            bo.sync()
+        run = ctx.kernel().prepare_npu(stream, [bos.get(i) for i in range(dst + 1)])
+        run.start()
+        run.wait(SELF_TEST_TIMEOUT)
+        bos[dst].sync()
+        same = bos[dst].read(count) == pattern[:count].tobytes()
     if not same:
         return CheckResult("self-test", FAIL, f"passthrough of {count} bytes completed but the output differs",
                            "the design is not a passthrough of its lowest into its highest buffer, or the NPU "
@@ -605,6 +641,8 @@ def _run_passthrough(dev: Device, xclbin: Xclbin, stream: insts_mod.Stream) -> C
 
 
 # --- the whole run -------------------------------------------------------------------------------------
+
+DEVICE_CHECKS = ("feature-level", "firmware", "contexts", "self-test")
 
 
 def is_emulated(device: Any) -> bool:
@@ -620,46 +658,48 @@ def run_checks(device: Any = None, *, host: Host | None = None, xclbin: Any = No
 
     ``device`` is what :func:`open_device` takes; None means the first node under ``host.root``. For the
     emulator the node, permission and kernel-log checks are skipped (there is no node or kernel driver).
-    Device checks are skipped when the node check or the open failed.
+    Device checks are skipped when the node checks or the open failed, or when impersonating a user; the
+    checks after a failed feature level are skipped too (the driver does not speak this runtime's uAPI),
+    and the self-test after a failed contexts check (it needs a context).
+
+    Raises:
+        ValueError, TypeError: ``device`` is not something :func:`open_device` takes (e.g. an unknown profile).
     """
     host = host if host is not None else Host.probe()
-    results: list[CheckResult] = []
-    target = device
     if is_emulated(device):
         reason = f"emulated device {device if isinstance(device, str) else 'EmuDevice'}: no node or kernel log"
-        results += [CheckResult(name, SKIP, reason) for name in ("node", "permission")]
-        results.append(check_memlock(host))
-        results.append(CheckResult("kernel-log", SKIP, reason))
-    else:
-        node = node_path(host, device)
-        results += [check_node(host, node), check_permission(host, node), check_memlock(host),
-                    check_kernel_log(host)]
-        if results[0].status == FAIL or results[1].status == FAIL or host.impersonated:
-            why = "the node checks failed" if not host.impersonated else f"checking for {host.identity.name}"
-            return results + _skipped_device_checks(why)
-        target = str(node)
+        results = [CheckResult("node", SKIP, reason), CheckResult("permission", SKIP, reason), check_memlock(host),
+                   CheckResult("kernel-log", SKIP, reason)]
+        return results + _device_checks(device, host, xclbin, insts)
+    node = node_path(host, device)
+    results = [check_node(host, node), check_permission(host, node), check_memlock(host), check_kernel_log(host)]
+    if FAIL in (results[0].status, results[1].status) or host.impersonated:
+        why = f"checking for {host.identity.name}" if host.impersonated else "the node checks failed"
+        return results + _skipped(DEVICE_CHECKS, why)
+    return results + _device_checks(str(node), host, xclbin, insts)
+
+
+def _device_checks(target: Any, host: Host, xclbin: Any, insts: Any) -> list[CheckResult]:
+    """feature-level, firmware, contexts and self-test on an opened ``target``, each only if the previous allows."""
     try:
         dev = open_device(target)
     except XdnaError as exc:
-        results.append(CheckResult("feature-level", FAIL, f"open failed: {exc}", _open_fix(exc)))
-        return results + _skipped_device_checks("the device did not open")[1:]
+        return [CheckResult("feature-level", FAIL, f"open failed: {exc}", _open_fix(exc)),
+                *_skipped(DEVICE_CHECKS[1:], "the device did not open")]
     with dev:
+        feature = check_feature_level(dev)
+        if feature.status == FAIL:
+            return [feature, *_skipped(DEVICE_CHECKS[1:], "the driver failed the feature-level check")]
         attributes = {} if dev.emulator is not None else sysfs_attributes(host.root, Path(dev.name).name)
-        results.append(check_feature_level(dev))
-        results.append(check_firmware(dev, attributes.get("fw_version")))
-        results.append(check_contexts(dev))
+        results = [feature, check_firmware(dev, attributes.get("fw_version")), check_contexts(dev)]
         if results[-1].status == FAIL:
-            results.append(CheckResult("self-test", SKIP, "not run: no hardware context is available"))
-        else:
-            results.append(check_self_test(dev, xclbin, insts))
-    return results
+            return [*results, CheckResult("self-test", SKIP, "not run: no hardware context is available")]
+        return [*results, check_self_test(dev, xclbin, insts)]
 
 
-DEVICE_CHECKS = ("feature-level", "firmware", "contexts", "self-test")
 
-
-def _skipped_device_checks(why: str) -> list[CheckResult]:
-    return [CheckResult(name, SKIP, f"not run: {why}") for name in DEVICE_CHECKS]
+def _skipped(names: Iterable[str], why: str) -> list[CheckResult]:
+    return [CheckResult(name, SKIP, f"not run: {why}") for name in names]
 
 
 def _open_fix(exc: Exception) -> str:

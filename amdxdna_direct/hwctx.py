@@ -21,8 +21,8 @@ import numpy as np
 
 from . import abi
 from . import insts as insts_mod
-from .device import DeviceFile, release_steps
-from .errors import XdnaError, ioctl_error
+from .device import DeviceFile, release_quietly, release_steps
+from .errors import ioctl_error
 
 if TYPE_CHECKING:
     from .bo import Bo
@@ -153,7 +153,7 @@ class HwContext:
         # before its PDIs.
         self._release = device.file.register(_release_context, device.file, self.handle, self.syncobj,
                                              [cu.pdi for cu in self.cus])
-        self._finalizer = weakref.finalize(self, _release_quietly, self._release)
+        self._finalizer = weakref.finalize(self, release_quietly, self._release, "hardware context")
 
     # -- bring-up ------------------------------------------------------------------------------
 
@@ -170,7 +170,8 @@ class HwContext:
         fields = {"num_tiles": self.num_tiles, "max_opc": self.max_opc}
         if self.priority:
             fields["priority"] = self.priority
-        self.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields)
+        # A context takes 4 x 32 KiB of heap for its command lists (spec 4.1): short heap, grow it.
+        self.device.growing_heap(lambda: self.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
         return req.handle, req.syncobj_handle
 
     def _configure(self, chosen: Sequence[tuple[Any, bytes]]) -> None:
@@ -327,14 +328,6 @@ def _destroy_hwctx(file: DeviceFile, handle: int) -> None:
     req = abi.ffi.new("struct amdxdna_drm_destroy_hwctx *")
     req.handle = handle
     file.ioctl(abi.DRM_IOCTL_AMDXDNA_DESTROY_HWCTX, req, {"handle": handle})
-
-
-def _release_quietly(release) -> None:
-    # A context nobody closed, collected: release it; errors have nowhere to go at GC time.
-    try:
-        release()
-    except XdnaError:
-        pass
 
 
 def _release_context(file: DeviceFile, handle: int, syncobj: int, pdis: list[Bo]) -> None:

@@ -167,7 +167,8 @@ class Stream:
         Raises:
             InstsError: the version is not one aie-rt defines.
         """
-        return 4 * (HEADER_WORDS + sum(_op_length(op, self.version) for op in self.ops))
+        version = _check_version(self.version, "size_bytes")
+        return 4 * (HEADER_WORDS + sum(_op_length(op, version) for op in self.ops))
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -182,20 +183,29 @@ def load(data: bytes | str | os.PathLike) -> Stream:
     Raises:
         InstsError: the content is neither format, or the stream is malformed.
         OSError: the file cannot be read.
+        TypeError: ``data`` is neither bytes nor a path.
     """
-    raw = _read(data)
+    raw = read_input(data, "load")
     if _looks_like_text(raw):
         return decode(_text_words(raw))
     return decode(raw)
 
 
-def _read(data: bytes | str | os.PathLike) -> bytes:
+def read_input(data: bytes | str | os.PathLike, operation: str) -> bytes:
+    """The bytes of ``data``: a bytes-like object as is, or the content of the file it names.
+
+    Shared by the two file-format parsers (this module's :func:`load`, :func:`amdxdna_direct.xclbin.parse`).
+
+    Raises:
+        OSError: the file cannot be read.
+        TypeError: ``data`` is neither bytes nor a path (the message starts with ``operation``).
+    """
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
     if isinstance(data, (str, os.PathLike)):
         with open(data, "rb") as f:
             return f.read()
-    raise TypeError(f"load: expected bytes or a path, got {type(data).__name__}")
+    raise TypeError(f"{operation}: expected bytes or a path, got {type(data).__name__}")
 
 
 _TEXT_BYTES = frozenset(b"0123456789abcdefABCDEFxX \t\r\n")
@@ -390,7 +400,7 @@ def encode_words(stream: Stream) -> list[int]:
     Raises:
         InstsError: as :func:`encode`.
     """
-    version = _check_version(stream.version)
+    version = _check_version(stream.version, "encode")
     for name in ("dev_gen", "rows", "cols", "mem_tile_rows"):
         if not 0 <= getattr(stream, name) <= 0xFF:
             raise InstsError(f"encode: header {name} {getattr(stream, name)} does not fit a byte")
@@ -408,7 +418,7 @@ def layout(stream: Stream) -> list[int]:
     Raises:
         InstsError: the version is unknown.
     """
-    version = _check_version(stream.version)
+    version = _check_version(stream.version, "layout")
     starts, index = [], HEADER_WORDS
     for op in stream.ops:
         starts.append(index)
@@ -416,14 +426,13 @@ def layout(stream: Stream) -> list[int]:
     return starts
 
 
-def _check_version(version: tuple[int, int]) -> tuple[int, int]:
+def _check_version(version: tuple[int, int], operation: str) -> tuple[int, int]:
     if version not in (VERSION_CURRENT, VERSION_2024):
-        raise InstsError(f"encode: TXN version {version[0]}.{version[1]} unknown (expected 0.1 or 1.0)")
+        raise InstsError(f"{operation}: TXN version {version[0]}.{version[1]} unknown (expected 0.1 or 1.0)")
     return version
 
 
 def _op_length(op: Op, version: tuple[int, int]) -> int:
-    _check_version(version)
     if isinstance(op, Write32):
         return _WRITE32_WORDS[version]
     if isinstance(op, MaskWrite):

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import abi, cmd
 from .bo import Bo
-from .errors import CommandError, CommandTimeout, XdnaError, errno_text
+from .errors import CommandError, CommandTimeout, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
     from .hwctx import ComputeUnit, HwContext
@@ -85,7 +85,7 @@ class Kernel:
                              f"({', '.join(a.name for a in self.args)}), got {len(args)}")
         fields, bos = [], []
         for decl, value in zip(self.args, args, strict=False):
-            field, bo = _arg_field(self.name, decl, value)
+            field, bo = _arg_field(self.name, self.ctx.device, decl, value)
             fields.append(field)
             if bo is not None:
                 bos.append(bo)
@@ -107,7 +107,7 @@ class Kernel:
         return self.prepare(NPU_OPCODE_TXN, instr, nwords, *buffers)
 
 
-def _arg_field(kernel: str, decl: Any, value: Any) -> tuple[tuple[int, int, int], Bo | None]:
+def _arg_field(kernel: str, device: Any, decl: Any, value: Any) -> tuple[tuple[int, int, int], Bo | None]:
     if decl.kind == "global":
         if value is None:
             return (decl.offset, decl.size, 0), None
@@ -116,6 +116,9 @@ def _arg_field(kernel: str, decl: Any, value: Any) -> tuple[tuple[int, int, int]
                             f"got {type(value).__name__}")
         if value.closed:
             raise ValueError(f"{kernel} argument {decl.index} ({decl.name}): buffer is closed")
+        if value.device is not device:
+            raise ValueError(f"{kernel} argument {decl.index} ({decl.name}): buffer belongs to {value.device.name}, "
+                             f"not to this context's device (GEM handles are per open file)")
         return (decl.offset, decl.size, value.address), value
     if decl.kind == "scalar":
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -168,14 +171,26 @@ class Run:
         cmd.encode_start_cu(self._view, self.kernel.cu_index, self._regmap)
 
     def __repr__(self) -> str:
-        return f"<Run {self.kernel.name} seq={self.seq} state={cmd.state_name(self.state) if self._live() else '-'}>"
+        state = "closed" if self.packet.closed else cmd.state_name(self.state)
+        return f"<Run {self.kernel.name} seq={self.seq} state={state}>"
 
-    def _live(self) -> bool:
-        return not self.packet.closed
+    def check_open(self, what: str) -> None:
+        """Raise if the packet buffer was released (its mapping is gone: touching it would fault).
+
+        Raises:
+            XdnaError: EBADF naming ``what`` and the packet's handle.
+        """
+        if self.packet.closed:
+            raise ioctl_error(what, {"cmd_handles": self.packet.handle}, errno.EBADF, "run is closed")
 
     @property
     def state(self) -> int:
-        """The packet's current ERT state (``cmd.ERT_CMD_STATE_*``)."""
+        """The packet's current ERT state (``cmd.ERT_CMD_STATE_*``).
+
+        Raises:
+            XdnaError: the run is closed.
+        """
+        self.check_open("state")
         return cmd.read_state(self._view)
 
     @property
@@ -195,9 +210,12 @@ class Run:
         """Submit with EXEC_CMD (no allocation: the packet and the ioctl structs are reused).
 
         Raises:
-            XdnaError: EXEC_CMD failed (names hwctx, the command handle and arg count), or closed.
+            XdnaError: EXEC_CMD failed (names hwctx, the command handle and arg count), or the run or
+                its context is closed.
+            RuntimeError: the previous submission was not waited for.
         """
         self.ctx.check_open("EXEC_CMD")
+        self.check_open("EXEC_CMD")
         with self._lock:
             if self._in_flight:
                 raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
@@ -213,14 +231,18 @@ class Run:
 
         One SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on the
         context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
-        A second ``wait`` after completion re-checks the state without an ioctl.
+        Unlike XRT, the header is not polled before the wait: the state is read only once the fence
+        signalled (spec amdxdna-uapi.md 6.6), which also catches a malformed command whose state the
+        driver leaves NEW. A second ``wait`` after completion re-checks the state without an ioctl.
 
         Raises:
             CommandTimeout: the wait expired (``state`` is the live one) or the driver's TDR marked the
                 command TIMEOUT (with the health record when the driver left one).
             CommandError: any other final state (ERROR, ABORT, or NEW for a malformed command).
             RuntimeError: the run was never started.
+            XdnaError: the wait ioctl failed, or the run is closed.
         """
+        self.check_open("wait")
         with self._lock:
             if self.seq is None:
                 raise RuntimeError(f"Run of {self.kernel.name} was never started")
@@ -365,12 +387,9 @@ class _Chain:
         first sub-command's payload, spec 6.6), else only set every state back to NEW."""
         if self.failed:
             cmd.encode_chain(self.view, self.handles)
-            for run in self.runs:
-                run._encode()
-                run._clobbered = False
             self.failed = False
-            return
-        cmd.write_state(self.view, cmd.ERT_CMD_STATE_NEW)
+        else:
+            cmd.write_state(self.view, cmd.ERT_CMD_STATE_NEW)
         for run in self.runs:
             run.restore()
 
@@ -378,11 +397,14 @@ class _Chain:
 class RunList:
     """Prepared runs of one context submitted together as ERT_CMD_CHAIN packets.
 
-    Runs are split into chains of at most ``cmd.CHAIN_MAX_RUNS`` (XRT's 24) whose sub-command
-    slots fit the driver's 4 KiB list buffer. ``start()`` submits every chain, ``wait()`` waits
-    once (the last chain's timeline point) and checks each chain in order. ``states`` holds the
-    per-run ERT states after ``wait``. Reusable: restarting rewrites only states, except after a
-    failure, when the clobbered packets are rebuilt.
+    Runs are packed in order into as few chains as the driver takes: each chain's sub-command slots
+    fit the driver's 4 KiB command list and it holds at most ``cmd.CHAIN_MAX_RUNS`` runs (see
+    ``cmd.CHAIN_MAX_RUNS`` for why not XRT's 24); 36 mlir-aie runs fit one chain. Every sub-command
+    is an ERT_START_CU packet, so a chain always has the one opcode the driver requires
+    (spec amdxdna-uapi.md 6.5). ``start()`` submits every chain, ``wait()`` waits once (the last
+    chain's timeline point) and checks each chain in order. ``states`` holds the per-run ERT states
+    after ``wait``. Reusable: restarting rewrites only states, except after a failure, when the
+    clobbered packets are rebuilt. Closed with its context.
     """
 
     def __init__(self, ctx: HwContext, runs: Sequence[Run]) -> None:
@@ -390,8 +412,11 @@ class RunList:
 
         Raises:
             ValueError: empty list, runs of another context, a repeated run, or a run too large for a chain.
-            XdnaError: a chain buffer could not be allocated (nothing is left allocated).
+            TypeError: an entry is not a ``Run``.
+            XdnaError: the context is closed, or a chain buffer could not be allocated (nothing is left
+                allocated).
         """
+        ctx.check_open("RunList")
         runs = list(runs)
         _check_runs(ctx, runs)
         self.ctx = ctx
@@ -400,12 +425,14 @@ class RunList:
         self.states: list[int] = [cmd.ERT_CMD_STATE_NEW] * len(runs)
         self._lock = threading.Lock()
         self._wait = _Waiter(ctx)
+        self._in_flight = False
         try:
             for first, group in _split(runs):
                 self.chains.append(_Chain(ctx, group, first))
         except BaseException:
             self.close()
             raise
+        ctx.track(self)
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -417,41 +444,50 @@ class RunList:
         """Submit every chain packet (one EXEC_CMD each).
 
         Raises:
-            XdnaError: EXEC_CMD failed or the context is closed.
+            XdnaError: EXEC_CMD failed (the chains submitted before it still run: ``wait`` drains
+                them) or the context is closed.
+            RuntimeError: the list is still in flight (``wait`` first).
         """
         self.ctx.check_open("EXEC_CMD")
+        self._check_open("EXEC_CMD")
         with self._lock:
+            if self._in_flight:
+                raise RuntimeError(f"RunList of {len(self.runs)} runs is still in flight: wait() first")
             for chain in self.chains:
                 chain.reset()
                 chain.seq = None
             self.states = [cmd.ERT_CMD_STATE_NEW] * len(self.runs)
             for chain in self.chains:
                 chain.seq = chain.exec.submit()
+                self._in_flight = True
         return self
 
     def wait(self, timeout: float | None = None) -> list[int]:
-        """Wait once for the last chain, then check every chain; returns the per-run states.
+        """Wait once for the last chain submitted, then check every submitted chain; returns the
+        per-run states.
 
         Raises:
             CommandError: a chain failed; ``index`` is the failing run's position in this list
                 (runs before it COMPLETED, after it ABORT, as XRT reports).
             CommandTimeout: the wait expired or the failing run TIMEOUT.
             RuntimeError: not started.
+            XdnaError: the wait ioctl failed, or the list or one of its runs is closed.
         """
+        self._check_open("wait")
         with self._lock:
-            if any(chain.seq is None for chain in self.chains):
+            submitted = [chain for chain in self.chains if chain.seq is not None]
+            if not submitted:
                 raise RuntimeError("RunList was never started")
-            # Timeline points signal in order: the last chain's point covers the earlier ones.
-            last = self.chains[-1]
-            self._wait.wait(last.seq, timeout, f"RunList of {len(self.runs)} runs")
-            if not self.ctx.syncobj:
-                for chain in self.chains[:-1]:
-                    self._wait.wait(chain.seq, timeout, f"RunList of {len(self.runs)} runs")
-            failure = None
-            for chain in self.chains:
-                failure = failure or self._collect(chain)
-            if failure is not None:
-                raise failure
+            what = f"RunList of {len(self.runs)} runs"
+            if self._in_flight:
+                # Timeline points signal in order: the last chain's point covers the earlier ones.
+                # WAIT_CMD waits for one seq only, so without a syncobj every chain is waited for.
+                for chain in (submitted[-1:] if self.ctx.syncobj else submitted):
+                    self._wait.wait(chain.seq, timeout, what)
+                self._in_flight = False
+            failures = [f for f in (self._collect(chain) for chain in submitted) if f is not None]
+            if failures:
+                raise failures[0]
             return list(self.states)
 
     def _collect(self, chain: _Chain) -> CommandError | None:
@@ -466,12 +502,20 @@ class RunList:
                                                     + [cmd.ERT_CMD_STATE_ABORT] * (n - error_index - 1))
         chain.failed = True
         for sub in chain.runs:
-            sub._clobbered = True   # a later standalone start() must rebuild the packet too
+            sub._clobbered = True   # rebuilt by the next start, of this list or of the run alone
         run = chain.runs[error_index]
         index = chain.first + error_index
         # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).
         return _command_error(run.kernel.name, state, chain.seq, self.ctx.handle, chain.view, index=index,
                               health_packet=chain.runs[0]._view)
+
+    def _check_open(self, what: str) -> None:
+        # The chain packets and the runs' packets are written and read through their mappings.
+        for chain in self.chains:
+            if chain.bo.closed:
+                raise ioctl_error(what, {"cmd_handles": chain.bo.handle}, errno.EBADF, "run list is closed")
+        for run in self.runs:
+            run.check_open(what)
 
     def __call__(self, timeout: float | None = None) -> list[int]:
         """``start()`` then ``wait(timeout)``."""

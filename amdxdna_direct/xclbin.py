@@ -4,7 +4,8 @@ Pure functions over bytes; the only I/O is reading a file handed to :func:`parse
 Format facts: ``spec/xrt-npu-sequence.md`` section 3 (axlf header, section table, MEM_TOPOLOGY,
 CONNECTIVITY, IP_LAYOUT, EMBEDDED_METADATA, AIE_PARTITION), 1.3 (PDI selection) and 2.1 (the
 mlir-aie kernel arguments). Every offset and count read from the file is checked before use; any
-malformed input raises :class:`XclbinError` naming the section and the field.
+malformed input raises :class:`XclbinError` naming the section and the field. Struct layouts and enum
+values are not declared here: they are read from the one cdef (``headers/xclbin.h`` via :mod:`.abi`).
 
 The dataclasses are the canonical form: :func:`write` regenerates every section from them (sections it
 does not decode are kept as raw bytes), so ``parse(write(x)) == x``. Layout-only values (the header's
@@ -22,6 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from xml.sax.saxutils import quoteattr
 
+from . import abi
+from .insts import read_input
+
 __all__ = [
     "AiePartition", "CdoGroup", "Connection", "Connectivity", "EmbeddedMetadata", "Header", "Ip", "IpLayout",
     "Kernel", "KernelArg", "MemData", "MemTopology", "Pdi", "Section", "Xclbin", "XclbinError",
@@ -33,57 +37,103 @@ class XclbinError(ValueError):
     """A malformed or unusable xclbin; the message names the section and the field."""
 
 
-# enum axlf_section_kind (spec 3.3)
-SECTION_KINDS = {
-    0: "BITSTREAM", 1: "CLEARING_BITSTREAM", 2: "EMBEDDED_METADATA", 3: "FIRMWARE", 4: "DEBUG_DATA",
-    5: "SCHED_FIRMWARE", 6: "MEM_TOPOLOGY", 7: "CONNECTIVITY", 8: "IP_LAYOUT", 9: "DEBUG_IP_LAYOUT",
-    10: "DESIGN_CHECK_POINT", 11: "CLOCK_FREQ_TOPOLOGY", 12: "MCS", 13: "BMC", 14: "BUILD_METADATA",
-    15: "KEYVALUE_METADATA", 16: "USER_METADATA", 17: "DNA_CERTIFICATE", 18: "PDI", 19: "BITSTREAM_PARTIAL_PDI",
-    20: "PARTITION_METADATA", 21: "EMULATION_DATA", 22: "SYSTEM_METADATA", 23: "SOFT_KERNEL", 24: "ASK_FLASH",
-    25: "AIE_METADATA", 26: "ASK_GROUP_TOPOLOGY", 27: "ASK_GROUP_CONNECTIVITY", 28: "SMARTNIC",
-    29: "AIE_RESOURCES", 30: "OVERLAY", 31: "VENDER_METADATA", 32: "AIE_PARTITION", 33: "IP_METADATA",
-    34: "AIE_RESOURCES_BIN", 35: "AIE_TRACE_METADATA", 36: "DTBO",
-}
-EMBEDDED_METADATA = 2
-MEM_TOPOLOGY = 6
-CONNECTIVITY = 7
-IP_LAYOUT = 8
-ASK_GROUP_TOPOLOGY = 26
-ASK_GROUP_CONNECTIVITY = 27
-AIE_PARTITION = 32
+def _enum(tag: str, prefix: str = "") -> dict[int, str]:
+    """value -> enumerator name (without ``prefix``) of an enum of headers/xclbin.h."""
+    return {value: name.removeprefix(prefix) for value, name in abi.ffi.typeof(f"enum {tag}").elements.items()}
 
-# enum MEM_TYPE (spec 3.4): 2 = MEM_DRAM; enum IP_TYPE (spec 3.6): 7 = IP_PS_KERNEL.
-MEM_DRAM = 2
-IP_PS_KERNEL = 7
-# PS kernel properties bit fields (spec 3.6): m_subtype 1:0 (ST_DPU 1), m_functional 5:4, m_kernel_id 27:16.
-ST_DPU = 1
-# enum CDO_TYPE (spec 3.8).
-CDO_TYPES = {0: "UNKNOWN", 1: "PRIMARY", 2: "LITE", 3: "PREPOST"}
-CT_PRIMARY = 1
+
+# Section kinds, memory / IP / CDO types: the enums of headers/xclbin.h (spec 3.3, 3.4, 3.6, 3.8).
+SECTION_KINDS = _enum("axlf_section_kind")
+CDO_TYPES = _enum("CDO_TYPE", "CT_")
+MEM_TYPES = _enum("MEM_TYPE", "MEM_")
+IP_TYPES = _enum("IP_TYPE", "IP_")
+EMBEDDED_METADATA: int = abi.EMBEDDED_METADATA
+MEM_TOPOLOGY: int = abi.MEM_TOPOLOGY
+CONNECTIVITY: int = abi.CONNECTIVITY
+IP_LAYOUT: int = abi.IP_LAYOUT
+ASK_GROUP_TOPOLOGY: int = abi.ASK_GROUP_TOPOLOGY
+ASK_GROUP_CONNECTIVITY: int = abi.ASK_GROUP_CONNECTIVITY
+AIE_PARTITION: int = abi.AIE_PARTITION
+MEM_DRAM: int = abi.MEM_DRAM
+IP_PS_KERNEL: int = abi.IP_PS_KERNEL
+ST_DPU: int = abi.ST_DPU
+CT_PRIMARY: int = abi.CT_PRIMARY
 # XRT xclbin_parser argtype: addressQualifier 0 scalar, 1 global, 2 constant, 3 local, 4 stream (spec 3.7).
 ARG_KINDS = {0: "scalar", 1: "global", 2: "constant", 3: "local", 4: "stream"}
 
 MAGIC = b"xclbin2\0"
-# struct axlf (spec 3.1): magic, i32 signature length, 28 reserved, 256 key block, u64 unique id, axlf_header.
-_AXLF_PREFIX = struct.Struct("<8si28s256sQ")
-# struct axlf_header (spec 3.1, 152 bytes at 0x130).
-_AXLF_HEADER = struct.Struct("<QQQHBBHH16s64s16s16sI4x")
-_SECTION_TABLE = 0x1C8
-# struct axlf_section_header (spec 3.2): kind, name[16], 4 pad, u64 offset, u64 size.
-_SECTION_HEADER = struct.Struct("<I16s4xQQ")
+
+# struct format codes of the scalar and byte-array member types used in headers/xclbin.h
+_CODES = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "uint64_t": "Q", "int32_t": "i"}
+_BYTES = ("char", "unsigned char", "uint8_t")
+
+
+def _member_format(ctype: str, path: str) -> tuple[int, int, str]:
+    """(offset, size, struct code) of a member of ``ctype`` given as a dotted path; a nested struct of
+    scalars (``array_offset``) becomes its codes in a row."""
+    ftype, offset = abi.ffi.typeof(ctype), 0
+    for part in path.split("."):
+        member = dict(ftype.fields)[part]
+        ftype, offset = member.type, offset + member.offset
+    if ftype.kind == "primitive":
+        code = _CODES[ftype.cname]
+    elif ftype.kind == "array" and ftype.item.cname in _BYTES:
+        code = f"{ftype.length}s"
+    else:
+        code = "".join(_CODES[f.type.cname] for _, f in ftype.fields)
+    if struct.calcsize("<" + code) != abi.ffi.sizeof(ftype):
+        raise ImportError(f"amdxdna_direct.xclbin: {ctype}.{path} is not a packed run of scalars")
+    return offset, abi.ffi.sizeof(ftype), code
+
+
+def _layout(ctype: str, *members: str, end: str | None = None) -> struct.Struct:
+    """A little-endian ``struct.Struct`` unpacking ``members`` of ``ctype`` in offset order.
+
+    Offsets, types and padding come from the cdef (headers/xclbin.h), so the parser declares no layout of
+    its own; the format spans ``sizeof(ctype)``, or stops at member ``end``.
+    """
+    fmt, position = "<", 0
+    limit = abi.ffi.sizeof(ctype) if end is None else abi.ffi.offsetof(ctype, end)
+    for offset, size, code in [*sorted(_member_format(ctype, m) for m in members), (limit, 0, "")]:
+        if offset < position:
+            raise ImportError(f"amdxdna_direct.xclbin: members of {ctype} overlap at offset {offset}")
+        fmt += f"{offset - position}x{code}" if offset > position else code
+        position = offset + size
+    return struct.Struct(fmt)
+
+
+# spec 3.1 / 3.2: the fixed file head, its header and the 40-byte section headers that follow at 0x1C8.
+_AXLF_PREFIX = _layout("struct axlf", "m_magic", "m_signature_length", "reserved", "m_keyBlock", "m_uniqueId",
+                       end="m_header")
+_AXLF_HEADER = _layout("struct axlf_header", "m_length", "m_timeStamp", "m_featureRomTimeStamp", "m_versionPatch",
+                       "m_versionMajor", "m_versionMinor", "m_mode", "m_actionMask", "rom_uuid", "m_platformVBNV",
+                       "uuid", "m_debug_bin", "m_numSections")
+_SECTION_TABLE = abi.ffi.offsetof("struct axlf", "m_sections")
+_SECTION_HEADER = _layout("struct axlf_section_header", "m_sectionKind", "m_sectionName", "m_sectionOffset",
+                          "m_sectionSize")
 _SECTION_ALIGN = 8
-_MEM_DATA = struct.Struct("<BB6xQQ16s")          # spec 3.4, 40 bytes
-_CONNECTION = struct.Struct("<iii")               # spec 3.5, 12 bytes
-_IP_DATA = struct.Struct("<IIQ64s")               # spec 3.6, 80 bytes
-_COUNT_PAD = struct.Struct("<i4x")                # MEM_TOPOLOGY / IP_LAYOUT: i32 m_count + pad
-_COUNT = struct.Struct("<i")                      # CONNECTIVITY: i32 m_count
-# AIE_PARTITION (spec 3.8): aie_partition 184 B, aie_pdi 96 B, cdo_group 96 B, array_offset {u32 count, u32 offset}.
-_PARTITION = struct.Struct("<B3xII4xQQH6xII72xIII52x")
-_AIE_PDI = struct.Struct("<16sIIII64x")
-_CDO_GROUP = struct.Struct("<IB3xQIIII64x")
+# spec 3.4-3.6: an i32 m_count (MEM_TOPOLOGY and IP_LAYOUT pad it to 8 bytes), then the records.
+_MEM_COUNT = _layout("struct mem_topology", "m_count", end="m_mem_data")
+_MEM_DATA = _layout("struct mem_data", "m_type", "m_used", "m_size", "m_base_address", "m_tag")
+_CONNECTION_COUNT = _layout("struct connectivity", "m_count", end="m_connection")
+_CONNECTION = _layout("struct connection", "arg_index", "m_ip_layout_index", "mem_data_index")
+_IP_COUNT = _layout("struct ip_layout", "m_count", end="m_ip_data")
+_IP_DATA = _layout("struct ip_data", "m_type", "properties", "m_base_address", "m_name")
+# spec 3.8: array_offset members unpack as (element count, byte offset from the section start).
+_PARTITION = _layout("struct aie_partition", "schema_version", "mpo_name", "operations_per_cycle",
+                     "inference_fingerprint", "pre_post_fingerprint", "info.column_width", "info.start_columns",
+                     "aie_pdi", "kernel_commit_id")
+_AIE_PDI = _layout("struct aie_pdi", "uuid", "pdi_image", "cdo_groups")
+_CDO_GROUP = _layout("struct cdo_group", "mpo_name", "cdo_type", "pdi_id", "dpu_kernel_ids", "pre_cdo_groups")
 
 
 # --------------------------------------------------------------------------------------------- dataclasses
+
+
+def _freeze(record: object, *names: str) -> None:
+    """Store the sequence fields ``names`` of a frozen dataclass as tuples (lists compare unequal to tuples)."""
+    for name in names:
+        object.__setattr__(record, name, tuple(getattr(record, name)))
 
 
 @dataclass(frozen=True)
@@ -130,7 +180,7 @@ class MemTopology:
     entries: tuple[MemData, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", tuple(self.entries))
+        _freeze(self, "entries")
 
 
 @dataclass(frozen=True)
@@ -149,7 +199,7 @@ class Connectivity:
     entries: tuple[Connection, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", tuple(self.entries))
+        _freeze(self, "entries")
 
 
 @dataclass(frozen=True)
@@ -174,17 +224,17 @@ class Ip:
     @property
     def subtype(self) -> int:
         """PS kernel ``m_subtype`` (bits 1:0; 1 = DPU)."""
-        return self.properties & 0x3
+        return (self.properties >> abi.IP_PS_KERNEL_SUBTYPE_SHIFT) & abi.IP_PS_KERNEL_SUBTYPE_MASK
 
     @property
     def functional(self) -> int:
         """PS kernel ``m_functional`` (bits 5:4)."""
-        return (self.properties >> 4) & 0x3
+        return (self.properties >> abi.IP_PS_KERNEL_FUNCTIONAL_SHIFT) & abi.IP_PS_KERNEL_FUNCTIONAL_MASK
 
     @property
     def kernel_id(self) -> int:
         """PS kernel ``m_kernel_id`` (bits 27:16)."""
-        return (self.properties >> 16) & 0xFFF
+        return (self.properties >> abi.IP_PS_KERNEL_KERNEL_ID_SHIFT) & abi.IP_PS_KERNEL_KERNEL_ID_MASK
 
 
 @dataclass(frozen=True)
@@ -194,7 +244,7 @@ class IpLayout:
     entries: tuple[Ip, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", tuple(self.entries))
+        _freeze(self, "entries")
 
 
 @dataclass(frozen=True)
@@ -263,8 +313,7 @@ class CdoGroup:
     pre_cdo_groups: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dpu_kernel_ids", tuple(self.dpu_kernel_ids))
-        object.__setattr__(self, "pre_cdo_groups", tuple(self.pre_cdo_groups))
+        _freeze(self, "dpu_kernel_ids", "pre_cdo_groups")
 
     @property
     def type_name(self) -> str:
@@ -281,7 +330,7 @@ class Pdi:
     cdo_groups: tuple[CdoGroup, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cdo_groups", tuple(self.cdo_groups))
+        _freeze(self, "cdo_groups")
 
     @property
     def size(self) -> int:
@@ -309,8 +358,7 @@ class AiePartition:
     kernel_commit_id: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "start_columns", tuple(self.start_columns))
-        object.__setattr__(self, "pdis", tuple(self.pdis))
+        _freeze(self, "start_columns", "pdis")
 
     @property
     def ops_per_cycle(self) -> int:
@@ -339,13 +387,20 @@ class Section:
 
 @dataclass(frozen=True)
 class Xclbin:
-    """A parsed xclbin: header and sections, with the views XRT takes of them (first section of a kind)."""
+    """A parsed xclbin: header and sections, with the views XRT takes of them (first section of a kind).
+
+    The views (``mem_topology``, ``connectivity``, ``ip_layout``, ``partition``, ``kernels``) are None or empty
+    without their section.
+
+    Raises:
+        XclbinError: from a view, when a hand-built Xclbin holds raw bytes under a kind :func:`parse` decodes.
+    """
 
     header: Header
     sections: tuple[Section, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sections", tuple(self.sections))
+        _freeze(self, "sections")
 
     @classmethod
     def load(cls, data: bytes | str | os.PathLike) -> Xclbin:
@@ -354,6 +409,7 @@ class Xclbin:
         Raises:
             XclbinError: malformed input.
             OSError: the file cannot be read.
+            TypeError: ``data`` is neither bytes nor a path.
         """
         return parse(data)
 
@@ -373,7 +429,13 @@ class Xclbin:
 
     def _content(self, kind: int, expected: type) -> object | None:
         found = self.section(kind)
-        return found.content if found is not None and isinstance(found.content, expected) else None
+        if found is None:
+            return None
+        if not isinstance(found.content, expected):
+            # only a hand-built Xclbin can hold undecoded bytes under a kind that parse() decodes
+            raise XclbinError(f"{found.kind_name} section {found.name!r}: content is {type(found.content).__name__}, "
+                              f"expected {expected.__name__}")
+        return found.content
 
     @property
     def mem_topology(self) -> MemTopology | None:
@@ -497,8 +559,9 @@ def parse(data: bytes | str | os.PathLike) -> Xclbin:
     Raises:
         XclbinError: the file is truncated or corrupt (the message names the section and the field).
         OSError: the file cannot be read.
+        TypeError: ``data`` is neither bytes nor a path.
     """
-    raw = _read(data)
+    raw = read_input(data, "parse")
     view = _View(raw, "axlf header")
     magic, sig_len, _reserved, key_block, unique_id = view.unpack(_AXLF_PREFIX, 0, "struct axlf")
     if magic != MAGIC:
@@ -509,15 +572,6 @@ def parse(data: bytes | str | os.PathLike) -> Xclbin:
     view.check(_SECTION_TABLE, count * _SECTION_HEADER.size, f"section table (m_numSections {count})")
     sections = tuple(_parse_section(view, i) for i in range(count))
     return Xclbin(header=header, sections=sections)
-
-
-def _read(data: bytes | str | os.PathLike) -> bytes:
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    if isinstance(data, (str, os.PathLike)):
-        with open(data, "rb") as f:
-            return f.read()
-    raise TypeError(f"parse: expected bytes or a path, got {type(data).__name__}")
 
 
 def _parse_header(view: _View, sig_len: int, key_block: bytes, unique_id: int) -> tuple[Header, int]:
@@ -560,19 +614,19 @@ def _records(view: _View, layout: struct.Struct, start: int, count: int, name: s
 
 
 def _parse_mem_topology(view: _View) -> MemTopology:
-    records = _records(view, _MEM_DATA, _COUNT_PAD.size, _count(view, _COUNT_PAD), "m_mem_data")
+    records = _records(view, _MEM_DATA, _MEM_COUNT.size, _count(view, _MEM_COUNT), "m_mem_data")
     return MemTopology(tuple(
         MemData(type=t, used=u, size_kb=s, base_address=b, tag=_fixed(tag, view.where, f"m_mem_data[{i}].m_tag"))
         for i, (t, u, s, b, tag) in enumerate(records)))
 
 
 def _parse_connectivity(view: _View) -> Connectivity:
-    records = _records(view, _CONNECTION, _COUNT.size, _count(view, _COUNT), "m_connection")
+    records = _records(view, _CONNECTION, _CONNECTION_COUNT.size, _count(view, _CONNECTION_COUNT), "m_connection")
     return Connectivity(tuple(Connection(*r) for r in records))
 
 
 def _parse_ip_layout(view: _View) -> IpLayout:
-    records = _records(view, _IP_DATA, _COUNT_PAD.size, _count(view, _COUNT_PAD), "m_ip_data")
+    records = _records(view, _IP_DATA, _IP_COUNT.size, _count(view, _IP_COUNT), "m_ip_data")
     return IpLayout(tuple(
         Ip(type=t, properties=p, base_address=b, name=_fixed(n, view.where, f"m_ip_data[{i}].m_name"))
         for i, (t, p, b, n) in enumerate(records)))
@@ -797,13 +851,13 @@ def _encode_content(s: Section) -> bytes:
     if isinstance(c, (bytes, bytearray, memoryview)):
         return bytes(c)
     if isinstance(c, MemTopology):
-        return _encode_records(_COUNT_PAD, _MEM_DATA, where, [
+        return _encode_records(_MEM_COUNT, _MEM_DATA, where, [
             (m.type, m.used, m.size_kb, m.base_address, _fixed_bytes(m.tag, 16, where, "m_tag")) for m in c.entries])
     if isinstance(c, Connectivity):
-        return _encode_records(_COUNT, _CONNECTION, where, [
+        return _encode_records(_CONNECTION_COUNT, _CONNECTION, where, [
             (e.arg_index, e.ip_layout_index, e.mem_data_index) for e in c.entries])
     if isinstance(c, IpLayout):
-        return _encode_records(_COUNT_PAD, _IP_DATA, where, [
+        return _encode_records(_IP_COUNT, _IP_DATA, where, [
             (e.type, e.properties, e.base_address, _fixed_bytes(e.name, 64, where, "m_name")) for e in c.entries])
     if isinstance(c, EmbeddedMetadata):
         return c.xml.encode("utf-8")
@@ -924,7 +978,8 @@ def build_mlir_aie(pdi: bytes, *, column_width: int = 1, start_columns: Sequence
         schema_version=0, name="", operations_per_cycle=ops_per_cycle, inference_fingerprint=_INFERENCE_FINGERPRINT,
         pre_post_fingerprint=_PRE_POST_FINGERPRINT, column_width=column_width, start_columns=columns,
         pdis=(Pdi(uuid=digest[16:32], image=bytes(pdi), cdo_groups=(group,)),), kernel_commit_id="")
-    properties = ST_DPU | (functional << 4) | (dpu_kernel_id << 16)
+    properties = (ST_DPU << abi.IP_PS_KERNEL_SUBTYPE_SHIFT | functional << abi.IP_PS_KERNEL_FUNCTIONAL_SHIFT
+                  | dpu_kernel_id << abi.IP_PS_KERNEL_KERNEL_ID_SHIFT)
     ip = IpLayout((Ip(type=IP_PS_KERNEL, properties=properties, base_address=_NO_BASE_ADDRESS,
                       name=f"{kernel}:{instance}"),))
     connections = (Connection(1, 0, _SRAM_BANK),) + tuple(Connection(3 + i, 0, _HOST_BANK) for i in range(n_buffers))
@@ -945,9 +1000,9 @@ def _check_build_args(column_width: int, dpu_kernel_id: int, functional: int, n_
                       uuid: bytes | None) -> None:
     if not 1 <= column_width <= 0xFFFF:
         raise ValueError(f"build_mlir_aie: column_width {column_width} out of range")
-    if not 0 <= dpu_kernel_id <= 0xFFF:
+    if not 0 <= dpu_kernel_id <= abi.IP_PS_KERNEL_KERNEL_ID_MASK:
         raise ValueError(f"build_mlir_aie: dpu_kernel_id 0x{dpu_kernel_id:x} does not fit the 12-bit m_kernel_id")
-    if not 0 <= functional <= 3:
+    if not 0 <= functional <= abi.IP_PS_KERNEL_FUNCTIONAL_MASK:
         raise ValueError(f"build_mlir_aie: functional {functional} does not fit 2 bits")
     if not 0 <= n_buffers <= 64:
         raise ValueError(f"build_mlir_aie: n_buffers {n_buffers} out of range 0..64")

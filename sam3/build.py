@@ -29,7 +29,7 @@ import numpy as np
 from amdxdna_direct import insts, xclbin
 from amdxdna_direct.device import TXN_DEV_GEN
 from sam3.bundle import ELEMENTWISE_FNS, FORMAT, GENERATIONS, MANIFEST
-from sam3.pack import BF16_BYTES, ConvGeometry, pack_b, pack_conv3x3, parse_layout, round_up
+from sam3.pack import BF16_BYTES, pack_b, pack_conv3x3, parse_layout, round_up
 
 KERNEL_NAME = "MLIR_AIE"
 PDI_BYTES = 1024
@@ -103,9 +103,6 @@ PRESETS = {
                      convs=(ConvShape("neck.conv72", 72, 72, 256, 256, 8, 32),
                             ConvShape("neck.conv144", 144, 144, 256, 256, 8, 32))),
 }
-
-# The block's GEMMs: key, context, (k, n) as a function of the geometry, B layout.
-BLOCK_GEMMS = ("blk0.qkv", "blk0.proj", "blk0.fc1", "blk0.fc2")
 
 
 def block_gemm_shapes(g: Geometry) -> dict[str, tuple[str, int, int, str]]:
@@ -223,8 +220,7 @@ class _Writer:
 
     def conv_gemm(self, c: ConvShape) -> dict:
         w = self._weight(c.key, (c.cout, c.channels, 3, 3), 1.0 / math.sqrt(9 * c.channels))
-        k, lda, n = (c.p + 2) * c.channels, c.p * c.channels, 3 * c.p * c.cout
-        ConvGeometry.of(k, lda, n)
+        k, lda, n = (c.p + 2) * c.channels, c.p * c.channels, 3 * c.p * c.cout  # spec 4
         return self._gemm(c.key, "conv_gemm", c.m, k, n, lda, f"conv3x3:{c.p}", pack_conv3x3(w, c.p))
 
     def _gemm(self, key: str, ctx: str, m: int, k: int, n: int, lda: int, layout: str, packed: np.ndarray) -> dict:
@@ -267,9 +263,10 @@ class _Writer:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`build_bundle.py OUT [--preset tiny|sam3] [--target npu1|npu4|npu5|npu6] [--seed N] [--weights W.npz]`."""
-    p = argparse.ArgumentParser(prog="build_bundle", description="Write a SAM3 kernel bundle.")
+def main(argv: Sequence[str] | None = None, prog: str = "build_bundle") -> int:
+    """`build_bundle.py OUT [--preset tiny|sam3] [--target npu1|npu4|npu5|npu6] [--seed N] [--weights W.npz]`;
+    also `sam3-npu build`. Prints the bundle directory; exit status 1 (message on stderr) on failure."""
+    p = argparse.ArgumentParser(prog=prog, description="Write a SAM3 kernel bundle.")
     p.add_argument("out", help="bundle directory to create")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--target", choices=sorted(GENERATIONS), default="npu4")
@@ -279,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         root = build(args.out, args.preset, args.target, args.seed, args.weights)
     except (ValueError, OSError) as e:
-        print(f"build_bundle: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     print(root)
     return 0

@@ -34,6 +34,9 @@ _GEMM_FIELDS = {"key", "ctx", "m", "k", "n", "lda", "insts", "b_bytes", "b_layou
 _MHA_FIELDS = {"key", "heads", "seq", "d", "elems", "xclbin", "insts", "name"}
 _OP_FIELDS = {"key", "xclbin", "insts", "name", "fn", "elems"}
 _OP_OPTIONAL = {"n"}  # layernorm's normalised length (spec 6: "over the last n elements")
+# TXN header (spec/xrt-npu-sequence.md 2.3): word 0 carries the device generation in bits 23:16,
+# word 3 the stream's size in bytes.
+_TXN_HEADER = struct.Struct("<4I")
 
 
 class BundleError(ValueError):
@@ -227,18 +230,18 @@ class Bundle:
         want = TXN_DEV_GEN[self.target]
         for key in self.keys():
             path = self.kernel(key).insts
-            head = path.read_bytes()[:16]
-            if len(head) < 16 or path.stat().st_size % 4:
-                raise BundleError(f"{key}.insts: {path.name} is not a TXN stream (size {path.stat().st_size})",
-                                  key, "insts")
-            word0, _, _, size = struct.unpack("<4I", head)
+            with path.open("rb") as f:
+                head = f.read(_TXN_HEADER.size)
+                length = os.fstat(f.fileno()).st_size
+            if len(head) < _TXN_HEADER.size or length % 4:
+                raise BundleError(f"{key}.insts: {path.name} is not a TXN stream (size {length})", key, "insts")
+            word0, _, _, size = _TXN_HEADER.unpack(head)
             gen = (word0 >> 16) & 0xFF
             if gen != want:
                 raise BundleError(f"{key}.insts: TXN device generation {gen} does not match target "
                                   f"{self.target} (generation {want})", key, "insts")
-            if size != path.stat().st_size:
-                raise BundleError(f"{key}.insts: TXN header says {size} bytes, file has {path.stat().st_size}",
-                                  key, "insts")
+            if size != length:
+                raise BundleError(f"{key}.insts: TXN header says {size} bytes, file has {length}", key, "insts")
 
     def _check_weights(self) -> None:
         """Shipped weights must be exactly `b_bytes` long and belong to a GEMM."""

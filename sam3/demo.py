@@ -26,9 +26,10 @@ import numpy as np
 from amdxdna_direct import errors
 from amdxdna_direct.device import Device, open_device
 from sam3 import pack, reference
-from sam3.build import PRESETS, Geometry, block_gemm_shapes, build, build_cached
+from sam3.build import PRESETS, Geometry, block_gemm_shapes, build_cached
+from sam3.build import main as build_main
 from sam3.bundle import Bundle, BundleError
-from sam3.npu import Npu, NpuError, Stage, device_generation
+from sam3.npu import EVICTION_POLICIES, Npu, NpuError, Stage, device_generation
 
 # Tolerances on max|device - reference| / max|reference|. bf16 keeps 8 significant bits: one
 # rounding costs at most 2^-9 (0.2%) of a value. A device stage reads exactly the bf16 values
@@ -99,7 +100,6 @@ class Demo:
         self.npu, self.g, self.say = npu, g, say
         self.rng = np.random.default_rng(seed)
         self.ok = True
-        self.stages: list[Stage] = []
         self.w: dict[str, Any] = {}
         self.matrix: dict[str, np.ndarray] = {}
         for key in block_gemm_shapes(g):
@@ -110,11 +110,14 @@ class Demo:
     def _check(self, stage: Stage, got: np.ndarray, want: np.ndarray, tolerance: float | None = None) -> None:
         tolerance = STAGE_TOLERANCE if tolerance is None else tolerance
         stage.max_rel_err = _rel_err(got, want)
-        stage.extra["tolerance"] = tolerance
         self.ok &= bool(stage.max_rel_err <= tolerance)
 
+    @property
+    def stages(self) -> list[Stage]:
+        """Every stage measured so far (the NPU layer's records, with `max_rel_err` filled in)."""
+        return self.npu.stages
+
     def _finish(self, stage: Stage) -> None:
-        self.stages.append(stage)
         self.say(f"{stage.name}: {stage.seconds:.3f} s, {stage.chunks} chunk(s), {stage.exec_cmds} EXEC_CMD(s), "
                  f"max rel err {stage.max_rel_err:.2e}")
 
@@ -263,11 +266,11 @@ def _default_device() -> Device:
     Raises:
         XdnaError: the device named by AMDXDNA_DEVICE cannot be opened, or a present NPU refused.
     """
-    if os.environ.get("AMDXDNA_DEVICE"):
-        return open_device(None)
     try:
         return open_device(None)
     except errors.NoDeviceError:
+        if os.environ.get("AMDXDNA_DEVICE"):
+            raise
         return open_device("emu")
 
 
@@ -295,8 +298,9 @@ def run_demo(preset: str = "tiny", device: Any = None, bundle: str | os.PathLike
             raise NpuError(f"{dev.name} is a real NPU: pass --bundle DIR with compiled kernels (a built bundle "
                            f"carries placeholder PDIs that only the emulator runs)")
         if bundle is None:
-            say(f"building the {preset} bundle for {device_generation(dev)} (cached)")
+            say(f"the {preset} bundle for {device_generation(dev)} (built on first use, then cached)")
             root = build_cached(_cache_dir(), preset, device_generation(dev), seed)
+            say(f"bundle: {root}")
         else:
             root = Path(bundle)
         loaded = Bundle.load(root)
@@ -313,11 +317,9 @@ def run_demo(preset: str = "tiny", device: Any = None, bundle: str | os.PathLike
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    if n < 1024:
+        return f"{n} B"
+    return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
 def format_table(doc: dict[str, Any]) -> str:
@@ -337,7 +339,11 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `sam3-npu` console script. Exit status 0 only when every stage is within tolerance."""
+    """The `sam3-npu` console script: `demo` (exit status 0 only when every stage is within tolerance) and
+    `build` (`sam3.build.main`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build"]:
+        return build_main(argv[1:], prog="sam3-npu build")
     p = argparse.ArgumentParser(prog="sam3-npu", description="SAM3's heavy layers on an AMD XDNA NPU.")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run one ViT block and the neck convolutions, checked against numpy")
@@ -345,36 +351,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: a real NPU if present, else emu)")
     d.add_argument("--bundle", help="use this bundle directory instead of building one")
     d.add_argument("--max-contexts", type=int, help="resident context limit (default: env SAM3_MAX_CONTEXTS)")
-    d.add_argument("--evict", choices=("lru", "drain"), default="lru")
+    d.add_argument("--evict", choices=EVICTION_POLICIES, default="lru")
     d.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    b = sub.add_parser("build", help="write a kernel bundle")
-    b.add_argument("out")
-    b.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    b.add_argument("--target", choices=("npu1", "npu4", "npu5", "npu6"), default="npu4")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--weights", help=".npz of your own weights")
+    sub.add_parser("build", help="write a kernel bundle (options: sam3-npu build --help)", add_help=False)
     args = p.parse_args(argv)
-    if args.command == "build":
-        return _build(args)
+    # Progress lines (stderr) only for the long presets: the tiny demo finishes in about a second.
+    long_run = args.preset != "tiny"
     start = time.perf_counter()
     try:
-        doc = run_demo(args.preset, args.device, args.bundle, args.max_contexts, args.evict,
-                       progress=args.preset != "tiny")
+        doc = run_demo(args.preset, args.device, args.bundle, args.max_contexts, args.evict, progress=long_run)
     except (BundleError, NpuError, errors.XdnaError, ValueError) as e:
         print(f"sam3-npu demo: {e}", file=sys.stderr)
         return 1
     print(json.dumps(doc) if args.json else format_table(doc))
-    _progress(args.preset != "tiny")(f"done in {time.perf_counter() - start:.1f} s")
+    _progress(long_run)(f"done in {time.perf_counter() - start:.1f} s")
     return 0 if doc["ok"] else 1
-
-
-def _build(args: argparse.Namespace) -> int:
-    try:
-        print(build(args.out, args.preset, args.target, args.seed, args.weights))
-    except (ValueError, OSError) as e:
-        print(f"sam3-npu build: {e}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ share one context.
 
 A GEMM is compiled for `m` rows; a stage with more rows owns one A and one C buffer of the padded
 height and runs the kernel once per `m`-row chunk over sub-buffer views of them. Unlike the seed,
-a stage's chunks go to the device as command chains (ERT_CMD_CHAIN, about `ceil(chunks / 24)`
-EXEC_CMDs and one wait), and the command packets of an operand set are built once and reused.
+a stage's chunks go to the device as command chains (ERT_CMD_CHAIN: `ceil(chunks / chain capacity)`
+EXEC_CMDs, the capacity being what the runtime's `RunList` packs into one chain, and one wait), and
+the command packets of an operand set are built once and reused.
 """
 
 from __future__ import annotations
@@ -139,7 +140,10 @@ class Io:
         if self.chained:
             raise NpuError(f"{self.key}: A is {self.chained_from}'s C (chained); set_a would overwrite a "
                            f"device result", self.key)
-        return push(_bf16_bits(src).reshape(-1), self.a)
+        bits = _bf16_bits(src).reshape(-1)
+        if bits.nbytes > self.a.size:
+            raise ValueError(f"{self.key}: set_a of {bits.size} elements, A holds {self.a.size // BF16_BYTES}")
+        return push(bits, self.a)
 
     def sync_a(self) -> None:
         """Syncs all of A to the device.
@@ -247,16 +251,21 @@ def device_generation(device: Device) -> str:
 
 
 def _max_contexts(value: int | None) -> int | None:
+    """The resident-context cap: `value`, else env SAM3_MAX_CONTEXTS, else None (as many as the driver grants)."""
+    source = "max_contexts"
     if value is None:
         text = os.environ.get(ENV_MAX_CONTEXTS, "").strip()
         if not text:
             return None
-        if not text.isdigit():
-            raise ValueError(f"{ENV_MAX_CONTEXTS}={text!r}: expected a positive integer")
-        value = int(text)
+        source = ENV_MAX_CONTEXTS
+        value = int(text) if text.isdigit() else text
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"max_contexts must be a positive integer, got {value!r}")
+        raise ValueError(f"{source}={value!r}: expected a positive integer")
     return value
+
+
+_Unit = Any  # a Run (one command) or a RunList (ERT_CMD_CHAIN packets over several)
+_UnitCache = dict[Any, tuple[tuple[Bo, ...], _Unit]]
 
 
 class Npu:
@@ -275,8 +284,10 @@ class Npu:
 
     Raises:
         BundleError: the bundle targets another NPU generation (or is invalid).
-        NpuError: a kernel failed to load for another reason than "no room".
-        ValueError: bad `max_contexts` / `evict`.
+        NpuError: a kernel failed to load for another reason than "no room", the device's generation is
+            unknown, or (emulator) a stream is already bound to another computation.
+        ValueError: bad `max_contexts` / `SAM3_MAX_CONTEXTS` / `evict`.
+        XdnaError: the device could not be opened.
     """
 
     def __init__(self, bundle: Bundle | str | os.PathLike, device: Any = None, *, max_contexts: int | None = None,
@@ -289,6 +300,7 @@ class Npu:
         self.timeout = timeout
         self._owns_device = not isinstance(device, Device)
         self.device = device if isinstance(device, Device) else open_device(device)
+        self._contexts: dict[str, HwContext] = {}
         try:
             self._open()
         except BaseException:
@@ -298,15 +310,10 @@ class Npu:
     def _open(self) -> None:
         self.generation = device_generation(self.device)
         self.bundle.check_target(self.generation)
-        self.gemms: dict[str, GemmSpec] = dict(self.bundle.gemms)
-        self.mhas: dict[str, MhaSpec] = dict(self.bundle.mhas)
-        self.ops: dict[str, OpSpec] = dict(self.bundle.ops)
         self._sources = {key: self._source(key) for key in self.bundle.keys()}
-        self._contexts: dict[str, HwContext] = {}
         self._kernels: dict[str, Any] = {}
-        self._epochs: Counter[str] = Counter()
-        self._arg_runs: dict[tuple[str, tuple[int, ...]], tuple[list[Bo], int, Any]] = {}
-        self.lru: list[str] = []
+        self._arg_units: _UnitCache = {}
+        self._lru: list[str] = []  # resident contexts, least recently used first
         self.loads = 0
         self.evictions = 0
         self.stages: list[Stage] = []
@@ -317,6 +324,21 @@ class Npu:
     def _source(self, key: str) -> _Source:
         k = self.bundle.kernel(key)
         return _Source(key, k.ctx, k.xclbin, k.name, k.insts.read_bytes())
+
+    @property
+    def gemms(self) -> dict[str, GemmSpec]:
+        """The bundle's GEMMs by key."""
+        return self.bundle.gemms
+
+    @property
+    def mhas(self) -> dict[str, MhaSpec]:
+        """The bundle's attention kernels by key."""
+        return self.bundle.mhas
+
+    @property
+    def ops(self) -> dict[str, OpSpec]:
+        """The bundle's element-wise kernels by key."""
+        return self.bundle.ops
 
     # -- emulator models (spec/sam3-bundle.md 8) ----------------------------------------------
 
@@ -335,26 +357,16 @@ class Npu:
             else:
                 o = self.ops[key]
                 model = Elementwise(o.fn, o.elems, n=o.n)
-            self._bind(registry, key, src.insts, model)
+            try:  # an equal model already bound (same stream of another key, or another Npu) is a no-op
+                registry.bind(src.insts, model)
+            except ValueError as e:
+                raise NpuError(f"{key}: its instruction stream is bound to another computation: {e}", key) from e
 
-    @staticmethod
-    def _bind(registry: Any, key: str, stream: bytes, model: Any) -> None:
-        from amdxdna_direct.emu.models import stream_digest
-
-        bound = registry.lookup(stream_digest(stream))
-        if bound is not None and repr(bound) == repr(model):
-            return  # the same computation, bound by another key or another Npu on this device
-        try:
-            registry.bind(stream, model)
-        except ValueError as e:
-            raise NpuError(f"{key}: its instruction stream is bound to another computation: {e}", key) from e
-
-    # -- contexts ----------------------------------------------------------------------------
+    # -- contexts (the seed's open / kernel / try_load / evict_lru, spec 7) --------------------
 
     def _preload(self) -> None:
         for key in self.bundle.keys():
-            ctx = self._sources[key].ctx
-            if ctx not in self.lru and self.cap is not None and len(self.lru) >= self.cap:
+            if self._full(self._sources[key].ctx):
                 break
             try:
                 self._try_load(key)
@@ -363,27 +375,30 @@ class Npu:
             except (errors.XdnaError, ValueError) as e:  # ValueError: the xclbin's kernel is unusable
                 raise NpuError(f"loading {key}: {e}", key) from e
 
+    def _full(self, ctx: str) -> bool:
+        """Loading `ctx` would exceed the resident-context cap."""
+        return ctx not in self._lru and self.cap is not None and len(self._lru) >= self.cap
+
     def _try_load(self, key: str) -> None:
         src = self._sources[key]
         if src.ctx not in self._contexts:
             self._contexts[src.ctx] = self.device.hw_context(self.bundle.xclbin(key), kernel=src.name)
-            self._epochs[src.ctx] += 1
-            self.lru.append(src.ctx)
+            self._lru.append(src.ctx)
             self.loads += 1
         self._kernels[key] = self._contexts[src.ctx].kernel(src.name)
 
-    def _kernel(self, key: str) -> tuple[Any, _Source, int]:
+    def _kernel(self, key: str) -> tuple[Any, _Source]:
         """Kernel `key`, loaded if not resident (evicting while the device has no room); marks it used."""
         src = self._sources.get(key)
         if src is None:
             raise NpuError(f"no kernel {key!r} in bundle {self.bundle.root}", key)
         if key not in self._kernels:
-            while src.ctx not in self.lru and self.cap is not None and len(self.lru) >= self.cap:
-                self._make_room(src.ctx)
+            while self._full(src.ctx):
+                self._make_room(key, src.ctx)
             self._load_evicting(key, src)
-        self.lru.remove(src.ctx)
-        self.lru.append(src.ctx)
-        return self._kernels[key], src, self._epochs[src.ctx]
+        self._lru.remove(src.ctx)
+        self._lru.append(src.ctx)
+        return self._kernels[key], src
 
     def _load_evicting(self, key: str, src: _Source) -> None:
         while True:
@@ -391,35 +406,36 @@ class Npu:
                 self._try_load(key)
                 return
             except errors.ContextUnavailableError as e:
-                if not self._make_room(src.ctx):
-                    raise NpuError(f"{key}: no hardware context available: {e}", key) from e
+                if not self._make_room(key, src.ctx):
+                    raise NpuError(f"{key}: no hardware context available ({len(self._lru)} resident): {e}",
+                                   key) from e
             except (errors.XdnaError, ValueError) as e:
                 raise NpuError(f"loading {key}: {e}", key) from e
 
-    def _make_room(self, keep: str) -> bool:
-        """Evicts the LRU context other than `keep` ("drain": all of them); False if there is none."""
-        victims = [c for c in self.lru if c != keep]
-        if not victims:
-            return False
+    def _make_room(self, key: str, keep: str) -> bool:
+        """Evicts the LRU context other than `keep` ("drain": all of them) to load `key`; False if there is none."""
+        victims = [c for c in self._lru if c != keep]
         for victim in victims if self.evict == "drain" else victims[:1]:
-            self._evict(victim)
-        return True
+            self._lru.remove(victim)
+            self.evictions += 1
+            try:
+                self._release_context(victim)
+            except errors.XdnaError as e:
+                raise NpuError(f"{key}: evicting context {victim} failed: {e}", key) from e
+        return bool(victims)
 
-    def _evict(self, ctx: str) -> None:
-        self.lru.remove(ctx)
+    def _release_context(self, ctx: str) -> None:
+        """Destroys context `ctx` (closing it closes the Runs and RunLists built on it) and forgets its kernels."""
+        context = self._contexts.pop(ctx)
         for key in [k for k in self._kernels if self._sources[k].ctx == ctx]:
             del self._kernels[key]
-        self._arg_runs = {k: v for k, v in self._arg_runs.items() if self._sources[k[0]].ctx != ctx}
-        self.evictions += 1
-        try:
-            self._contexts.pop(ctx).close()
-        except errors.XdnaError as e:
-            raise NpuError(f"evicting context {ctx}: {e}") from e
+        self._arg_units = {k: v for k, v in self._arg_units.items() if v[1].ctx is not context}
+        context.close()
 
     @property
     def resident(self) -> list[str]:
         """Resident contexts (xclbin paths), least recently used first."""
-        return list(self.lru)
+        return list(self._lru)
 
     # -- buffers -----------------------------------------------------------------------------
 
@@ -437,27 +453,37 @@ class Npu:
         """A device buffer holding `data` (packed weights), synced.
 
         Raises:
+            ValueError: `data` is empty.
             XdnaError: allocation or sync failed.
         """
         arr = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else np.asarray(data)
-        bo = self.device.bo(max(arr.nbytes, 1))
+        if arr.nbytes == 0:
+            raise ValueError("upload: no data")
+        bo = self.device.bo(arr.nbytes)
         push(arr, bo)
         return bo
 
     def weight_slot(self, key: str) -> Bo:
-        """A buffer sized for GEMM `key`'s packed B, to be filled per forward."""
-        return self.device.bo(self.spec(key).b_bytes)
-
-    def weights(self, key: str) -> Bo:
-        """GEMM `key`'s packed B from the bundle (`weights/<key>.bin`), uploaded.
+        """A buffer sized for GEMM `key`'s packed B, to be filled per forward.
 
         Raises:
-            NpuError: the bundle ships no weights for `key`.
+            NpuError: no such GEMM.
+            XdnaError: allocation failed.
         """
-        path = self.bundle.weights(self.spec(key).key)
-        if path is None:
-            raise NpuError(f"{key}: bundle {self.bundle.root} ships no weights/{key}.bin", key)
-        return self.upload(path.read_bytes())
+        return self.device.bo(self.spec(key).b_bytes)
+
+    def _operands(self, g: GemmSpec, a: Bo, rows: int, a_step: int, chained_from: str | None = None) -> Io:
+        """An Io of `rows` rows over A and a new C: chunk `i` views `(m-1)*lda + k` elements of A from element
+        `i*a_step` (`m*k` for a plain GEMM) and the `m` rows of C from row `i*m` (spec 2, 4)."""
+        a_bytes = ((g.m - 1) * g.lda + g.k) * BF16_BYTES
+        c_step = g.m * g.n * BF16_BYTES
+        c = self.device.bo(rows * g.n * BF16_BYTES)
+        try:
+            chunks = [(a.sub(i * a_step * BF16_BYTES, a_bytes), c.sub(i * c_step, c_step))
+                      for i in range(rows // g.m)]
+        except ValueError as e:  # a view the shim DMA cannot address (not word aligned)
+            raise NpuError(f"{g.key}: chunk views of A/C: {e}", g.key) from e
+        return Io(g, a, c, chunks, rows, chained_from)
 
     def io(self, key: str, rows: int) -> Io:
         """Operands of GEMM `key` for `rows` rows (plain row-major A, `lda == k`), padded to a multiple of m.
@@ -465,6 +491,7 @@ class Npu:
         Raises:
             NpuError: `key` is a convolution GEMM (use `conv_io`) or unknown.
             ValueError: `rows` is not positive.
+            XdnaError: allocation failed.
         """
         g = self.spec(key)
         if g.lda != g.k:
@@ -472,28 +499,23 @@ class Npu:
         if rows <= 0:
             raise ValueError(f"{key}: rows must be positive, got {rows}")
         rows = round_up(rows, g.m)
-        a = self.device.bo(rows * g.k * BF16_BYTES)
-        c = self.device.bo(rows * g.n * BF16_BYTES)
-        a_step, c_step = g.m * g.k * BF16_BYTES, g.m * g.n * BF16_BYTES
-        chunks = [(a.sub(i * a_step, a_step), c.sub(i * c_step, c_step)) for i in range(rows // g.m)]
-        return Io(g, a, c, chunks, rows)
+        return self._operands(g, self.device.bo(rows * g.k * BF16_BYTES), rows, g.m * g.k)
 
     def io_chained(self, key: str, src: Io) -> Io:
         """Operands of GEMM `key` whose A is `src`'s C, read in place (spec 3).
 
         Raises:
-            NpuError: `src.n != k`, or `src`'s rows are not a multiple of `key`'s m.
+            NpuError: `src.n != k`, `key` is a convolution GEMM, or `src`'s rows are not a multiple of `key`'s m.
+            XdnaError: allocation failed.
         """
         g = self.spec(key)
+        if g.lda != g.k:
+            raise NpuError(f"{key}: overlapping A (lda {g.lda} != k {g.k}) cannot read {src.key}'s C in place", key)
         if src.n != g.k:
             raise NpuError(f"{key}: A width {src.n} (C of {src.key}) != K {g.k}", key)
         if src.rows % g.m:
             raise NpuError(f"{key}: {src.rows} rows of {src.key} are not a multiple of m={g.m}", key)
-        a = src.c.sub(0, src.rows * g.k * BF16_BYTES)
-        c = self.device.bo(src.rows * g.n * BF16_BYTES)
-        a_step, c_step = g.m * g.k * BF16_BYTES, g.m * g.n * BF16_BYTES
-        chunks = [(src.c.sub(i * a_step, a_step), c.sub(i * c_step, c_step)) for i in range(src.rows // g.m)]
-        return Io(g, a, c, chunks, src.rows, chained_from=src.key)
+        return self._operands(g, src.c.sub(0, src.rows * g.k * BF16_BYTES), src.rows, g.m * g.k, src.key)
 
     def conv_io(self, key: str, h: int, w: int) -> Io:
         """Operands of the overlapping-row 3x3 convolution `key` for an `h x w` map (spec 4).
@@ -504,6 +526,7 @@ class Npu:
         Raises:
             NpuError: `key` is not a conv3x3 GEMM.
             ValueError: `h` or `w` not positive.
+            XdnaError: allocation failed.
         """
         g = self.spec(key)
         geom = g.conv
@@ -512,12 +535,7 @@ class Npu:
         if h <= 0 or w <= 0:
             raise ValueError(f"{key}: map size {h}x{w} must be positive")
         rows = geom.rows(h, w, g.m)
-        a = self.device.bo(geom.y_elems(rows) * BF16_BYTES)
-        c = self.device.bo(rows * g.n * BF16_BYTES)
-        ext = ((g.m - 1) * g.lda + g.k) * BF16_BYTES
-        a_step, c_step = g.m * g.lda * BF16_BYTES, g.m * g.n * BF16_BYTES
-        chunks = [(a.sub(i * a_step, ext), c.sub(i * c_step, c_step)) for i in range(rows // g.m)]
-        return Io(g, a, c, chunks, rows)
+        return self._operands(g, self.device.bo(geom.y_elems(rows) * BF16_BYTES), rows, g.m * g.lda)
 
     def conv_geometry(self, key: str) -> ConvGeometry:
         """D, P, Cout of conv GEMM `key`.
@@ -536,6 +554,7 @@ class Npu:
         Raises:
             NpuError: no such attention kernel.
             ValueError: `batch` not positive.
+            XdnaError: allocation failed.
         """
         if key not in self.mhas:
             raise NpuError(f"no MHA {key!r} in bundle {self.bundle.root}", key)
@@ -562,41 +581,63 @@ class Npu:
         """
         return pull(bo, count, dtype, offset)
 
-    # -- running -----------------------------------------------------------------------------
+    # -- command units (built once per operand set and context, spec 7 and the issue's "better") --
+
+    def _unit(self, key: str, cache: _UnitCache, ident: Any, pins: tuple[Bo, ...],
+              make: Callable[[Any, bytes], list[Any]]) -> _Unit:
+        """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident
+        and its pinned buffers are the same objects, else built (one Run, or a RunList for several)."""
+        kernel, src = self._kernel(key)
+        entry = cache.get(ident)
+        if entry is not None and entry[1].ctx is kernel.ctx and all(x is y for x, y in zip(entry[0], pins,
+                                                                                           strict=True)):
+            return entry[1]
+        try:
+            runs = make(kernel, src.insts)
+            unit = runs[0] if len(runs) == 1 else RunList(kernel.ctx, runs)
+        except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or too many buffers
+            raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
+        cache[ident] = (pins, unit)
+        return unit
+
+    def _gemm_unit(self, io: Io, w: Bo) -> _Unit:
+        return self._unit(io.key, io._units, id(w), (w,),
+                          lambda k, insts: [k.prepare_npu(insts, [a, w, c]) for a, c in io.chunks])
+
+    def _mha_unit(self, m: MhaIo) -> _Unit:
+        return self._unit(m.key, m._units, None, (), lambda k, insts: [k.prepare_npu(insts, it) for it in m.items])
+
+    def _args_unit(self, key: str, args: Sequence[Bo]) -> _Unit:
+        pins = tuple(args)
+        return self._unit(key, self._arg_units, (key, tuple(map(id, pins))), pins,
+                          lambda k, insts: [k.prepare_npu(insts, list(pins))])
 
     def prepare(self, io: Io, w: Bo) -> None:
         """Loads `io`'s kernel and builds its command unit for weights `w` ahead of `run` (uploads the
         instruction stream once per context, so a measured stage moves only its data).
 
         Raises:
-            NpuError: loading failed.
+            NpuError: loading or building the commands failed.
         """
-        kernel, src, epoch = self._kernel(io.key)
-        self._guard(io.key, lambda: io.prepared(kernel, epoch, w, src.insts))
+        self._gemm_unit(io, w)
 
     def prepare_mha(self, m: MhaIo) -> None:
         """`prepare` for an attention operand set.
 
         Raises:
-            NpuError: loading failed.
+            NpuError: loading or building the commands failed.
         """
-        kernel, src, epoch = self._kernel(m.key)
-        self._guard(m.key, lambda: m.prepared(kernel, epoch, src.insts))
+        self._mha_unit(m)
 
     def prepare_args(self, key: str, args: Sequence[Bo]) -> None:
         """`prepare` for `run_args`.
 
         Raises:
-            NpuError: loading failed.
+            NpuError: loading or building the command failed.
         """
-        self._guard(key, lambda: self._args_unit(key, args))
+        self._args_unit(key, args)
 
-    @staticmethod
-    def _guard(key: str, build: Any) -> Any:
-        try:
-            return build()
-        except errors.XdnaError as e:
-            raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
+    # -- running -----------------------------------------------------------------------------
 
     def run(self, io: Io, w: Bo) -> float:
         """Runs `io`'s kernel over every chunk with weights `w` (A must be synced); returns seconds.
@@ -604,19 +645,20 @@ class Npu:
         Raises:
             NpuError: loading failed or a chunk failed (naming the key and the chunk index).
         """
-        kernel, src, epoch = self._kernel(io.key)
-        unit = self._guard(io.key, lambda: io.prepared(kernel, epoch, w, src.insts))
-        return self._execute(io.key, unit, len(io.chunks))
+        return self._execute(io.key, self._gemm_unit(io, w), len(io.chunks))
 
     def run_synced(self, io: Io, w: Bo) -> float:
         """`run` with A synced first, unless A is another kernel's output (a sync would push the host's
         stale copy over it, spec 3).
 
         Raises:
-            NpuError: as `run`.
+            NpuError: as `run`, or syncing A failed.
         """
         if not io.chained:
-            io.sync_a()
+            try:
+                io.sync_a()
+            except errors.XdnaError as e:
+                raise NpuError(f"{io.key}: syncing A failed: {e}", io.key) from e
         return self.run(io, w)
 
     def run_args(self, key: str, args: Sequence[Bo]) -> float:
@@ -625,16 +667,7 @@ class Npu:
         Raises:
             NpuError: loading or the run failed.
         """
-        return self._execute(key, self._guard(key, lambda: self._args_unit(key, args)), 1)
-
-    def _args_unit(self, key: str, args: Sequence[Bo]) -> Any:
-        kernel, src, epoch = self._kernel(key)
-        ident = (key, tuple(id(b) for b in args))
-        entry = self._arg_runs.get(ident)
-        if entry is None or entry[1] != epoch or any(x is not y for x, y in zip(entry[0], args, strict=True)):
-            entry = (list(args), epoch, kernel.prepare_npu(src.insts, list(args)))
-            self._arg_runs[ident] = entry
-        return entry[2]
+        return self._execute(key, self._args_unit(key, args), 1)
 
     def run_mha(self, m: MhaIo) -> float:
         """Runs attention over q/k/v already pushed, every batch item in one chain; returns seconds.
@@ -642,13 +675,10 @@ class Npu:
         Raises:
             NpuError: loading or a run failed (naming the item as the chunk).
         """
-        kernel, src, epoch = self._kernel(m.key)
-        unit = self._guard(m.key, lambda: m.prepared(kernel, epoch, src.insts))
-        return self._execute(m.key, unit, m.batch)
+        return self._execute(m.key, self._mha_unit(m), m.batch)
 
-    def _execute(self, key: str, unit: Any, chunks: int) -> float:
-        """Submits a stage's command unit (a Run, or a RunList whose chains the runtime splits at 24
-        sub-commands) and waits once."""
+    def _execute(self, key: str, unit: _Unit, chunks: int) -> float:
+        """Submits a stage's command unit (a Run, or a RunList: one EXEC_CMD per chain packet) and waits once."""
         start = time.perf_counter()
         try:
             unit.start()
@@ -685,26 +715,20 @@ class Npu:
     # -- teardown ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Destroys the resident contexts and, if this object opened the device, closes it.
+        """Destroys the resident contexts (with their command packets) and, if this object opened the device,
+        closes it. Idempotent.
 
         Raises:
             XdnaError: a release ioctl failed (everything else was still released).
         """
-        contexts = getattr(self, "_contexts", {})
-        first: BaseException | None = None
-        for ctx in list(contexts):
-            try:
-                contexts.pop(ctx).close()
-            except errors.XdnaError as e:
-                first = first or e
+        steps = [lambda ctx=ctx: self._release_context(ctx) for ctx in list(self._contexts)]
+        self._lru = []
         if self._owns_device:
-            self.device.close()
-        if first is not None:
-            raise first
+            steps.append(self.device.close)
+        release_steps(*steps)
 
     def __enter__(self) -> Npu:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

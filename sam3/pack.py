@@ -39,7 +39,11 @@ def to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def from_bf16(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16, or an ml_dtypes bfloat16 array) -> float32 (exact)."""
+    """bf16 bit patterns (uint16, or an ml_dtypes bfloat16 array) -> float32 (exact).
+
+    Raises:
+        TypeError: any other dtype.
+    """
     arr = np.asarray(bits)
     if arr.dtype == np.uint16:
         arr = arr.view(ml_dtypes.bfloat16)

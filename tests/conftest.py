@@ -1,8 +1,9 @@
 """Shared fixtures: the ``device`` under test, the shared fixture files, a recording seam.
 
 ``device`` is always the emulator (``emu:npu1``, the generation of the mlir-aie npu1_1col fixture);
-with ``AMDXDNA_TEST_DEVICE=/dev/accel/accel0`` the same tests also run on that real device. Tests that
-need the emulator itself (models, fault injection, counters) are marked ``emu_only`` and skipped there.
+with ``AMDXDNA_TEST_DEVICE=/dev/accel/accel0`` the same tests also run on that real device (skipped,
+saying so, when the node does not exist). Tests that need the emulator itself (models, fault
+injection, counters) are marked ``emu_only`` and skipped there.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def device(request: pytest.FixtureRequest):
     from amdxdna_direct import open_device
 
     spec = request.param
-    if not spec.startswith("emu") and request.node.get_closest_marker("emu_only"):
-        pytest.skip("needs the emulator (models, fault injection or counters)")
+    if not spec.startswith("emu"):
+        if request.node.get_closest_marker("emu_only"):
+            pytest.skip("needs the emulator (models, fault injection or counters)")
+        if not os.path.exists(spec):
+            pytest.skip(f"AMDXDNA_TEST_DEVICE={spec}: no such device node on this machine")
     dev = open_device(spec)
     yield dev
     dev.close()
@@ -56,34 +60,57 @@ def txn_dev_gen(dev) -> int:
     return 3 if dev.aie_metadata().cols == 5 else 4
 
 
+def passthrough_stream(dev, fixture: Path) -> bytes:
+    """The npu1_1col ``insts.bin``, bound to a Passthrough model on the emulator; on a real device the
+    test is skipped unless it is an NPU1 (the stream's TXN generation is 3)."""
+    stream = (fixture / "insts.bin").read_bytes()
+    if dev.emulator is not None:
+        from amdxdna_direct.emu import Passthrough
+
+        dev.emulator.models.bind(stream, Passthrough())
+    elif txn_dev_gen(dev) != 3:
+        pytest.skip("the npu1_1col fixture needs an NPU1 (Phoenix / Hawk Point)")
+    return stream
+
+
 class RecordingSeam:
     """Wraps a seam and records every call in order: ("ioctl", request, bytes in) / ("mmap", ...) ...
 
     Lets tests check the exact syscall sequence and decode struct bytes independently of abi.py.
-    ``inject`` maps a request number to a function(buf) -> errno or None, to provoke driver answers.
+    ``inject`` maps a request number (or "mmap" / "reserve") to a function of the call's arguments
+    returning an errno to fail it with, or None to let it through; ``after`` maps a request number to
+    a function(buf) run once the driver answered (to read or alter what it wrote).
     """
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.name = inner.name
         self.calls: list[tuple] = []
-        self.inject: dict[int, object] = {}
+        self.inject: dict[int | str, object] = {}
+        self.after: dict[int, object] = {}
+
+    def _fail(self, key, *args) -> None:
+        hook = self.inject.get(key)
+        err = hook(*args) if hook is not None else None
+        if err:
+            raise OSError(err, os.strerror(err))
 
     def ioctl(self, request: int, buf) -> int:
         self.calls.append(("ioctl", request, bytes(buf)))
-        hook = self.inject.get(request)
-        if hook is not None:
-            err = hook(buf)
-            if err:
-                raise OSError(err, os.strerror(err))
-        return self.inner.ioctl(request, buf)
+        self._fail(request, buf)
+        result = self.inner.ioctl(request, buf)
+        if request in self.after:
+            self.after[request](buf)
+        return result
 
     def mmap(self, length: int, offset: int, addr: int = 0) -> int:
+        self._fail("mmap", length, offset, addr)
         result = self.inner.mmap(length, offset, addr)
         self.calls.append(("mmap", length, offset, addr, result))
         return result
 
     def reserve(self, length: int, alignment: int) -> int:
+        self._fail("reserve", length, alignment)
         result = self.inner.reserve(length, alignment)
         self.calls.append(("reserve", length, alignment, result))
         return result
@@ -117,6 +144,16 @@ SYNC_BO = struct.Struct("<IIQQ")             # handle direction offset size
 CREATE_HWCTX = struct.Struct("<QQQ8I")       # ext ext_flags qos_p umq_bo log_buf_bo max_opc num_tiles mem_size ...
 EXEC_CMD = struct.Struct("<QQIIQQIIQ")       # ext ext_flags hwctx type cmd_handles args cmd_count arg_count seq
 TIMELINE_WAIT = struct.Struct("<QQqIIII")    # handles points timeout_nsec count_handles flags first_signaled pad
+GET_BO_INFO = struct.Struct("<QQIIQQQ")      # ext ext_flags handle pad map_offset vaddr xdna_addr
+CONFIG_HWCTX = struct.Struct("<IIQII")       # handle param_type param_val param_val_size pad
+GET_INFO = struct.Struct("<IIQ")             # param buffer_size buffer
+
+
+def request_of(nr: int) -> int:
+    """The request number the runtime issues for ioctl ``nr`` (to key ``RecordingSeam.inject``)."""
+    from amdxdna_direct import abi
+
+    return next(r for r in abi.IOCTLS if r & 0xFF == nr)
 
 
 def emu_open(profile: str = "npu1", **options):

@@ -9,10 +9,18 @@ emulator against the ABI facts, not against the binding.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import struct
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import pytest
+
+from amdxdna_direct.emu import EmuDevice, Passthrough
 
 # _IOC layout (asm-generic/ioctl.h): nr bits 7:0, type 15:8, size 29:16, dir 31:30.
 IOC_NRSHIFT = 0
@@ -92,6 +100,41 @@ WAIT_ALL, WAIT_FOR_SUBMIT = 1, 2
 # ERT command header (spec section 6.1) and states.
 ERT_START_CU, ERT_CMD_CHAIN, ERT_START_NPU = 0, 19, 20
 ERT_STATE_NEW, ERT_STATE_COMPLETED, ERT_STATE_ERROR, ERT_STATE_ABORT, ERT_STATE_TIMEOUT = 1, 4, 5, 6, 8
+ZERO_LIVE = {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
+
+
+def check_released(device: EmuDevice) -> None:
+    """Nothing a closed device handed out is left: no BO, context, syncobj, mapping or mapped byte.
+
+    Raises:
+        AssertionError: something leaked (on whatever path the test took).
+    """
+    live, mapped = device.counters.live(), device.counters.bytes_mapped
+    if live != ZERO_LIVE or mapped:
+        raise AssertionError(f"after close: live {live}, {mapped} bytes mapped")
+
+
+class Gate:
+    """A model that holds its job open until released (at most 10 s), then copies like Passthrough."""
+
+    name = "gate"
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, args) -> None:
+        self.entered.set()
+        self.release.wait(10)
+        Passthrough()(args)
+
+
+@contextlib.contextmanager
+def emu_device(profile: str = "npu4", **options) -> Iterator[EmuDevice]:
+    """An EmuDevice closed on exit, then (when the body passed) checked with `check_released`."""
+    with EmuDevice(profile, **options) as device:
+        yield device
+    check_released(device)
 
 
 def ioc(direction: int, nr: int, size: int, type_byte: int = DRM_IOCTL_BASE) -> int:
@@ -115,11 +158,39 @@ def unpack(key: str, buf) -> tuple:
     return struct.unpack_from(FMT[key], buf)
 
 
+def check_message(exc: OSError, op: str | None = None) -> None:
+    """House style for driver errors: the message names the errno symbolically and, given `op`, the ioctl.
+
+    Raises:
+        AssertionError: the message lacks either.
+    """
+    name = errno.errorcode.get(exc.errno, "no errno")
+    text = str(exc)
+    if name not in text or (op is not None and op not in text):
+        raise AssertionError(f"error message {text!r} does not name {name}" + (f" and {op}" if op else ""))
+
+
 def call(seam, name: str, *values) -> tuple:
-    """Pack `values`, run the ioctl and return the unpacked result (raises OSError like the seam)."""
+    """Pack `values`, run the ioctl and return the unpacked result.
+
+    Raises:
+        OSError: the driver's answer, after checking that its message names `name` and the errno.
+    """
     buf = pack(REQUESTS[name][2], *values)
-    seam.ioctl(request(name), buf)
+    try:
+        seam.ioctl(request(name), buf)
+    except OSError as exc:
+        check_message(exc, name)
+        raise
     return unpack(REQUESTS[name][2], buf)
+
+
+def errno_of(fn, *args, **kwargs) -> int:
+    """The errno of the OSError `fn(*args, **kwargs)` raises (its message must name that errno)."""
+    with pytest.raises(OSError) as caught:
+        fn(*args, **kwargs)
+    check_message(caught.value)
+    return caught.value.errno
 
 
 class UserMem:

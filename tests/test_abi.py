@@ -12,8 +12,10 @@ imports in a clean venv with no compiler on PATH.
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -35,7 +37,25 @@ SPEC = SHARED / "spec"
 FIXTURE_NPU1 = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
 GCC = shutil.which("gcc")
 
-needs_gcc = pytest.mark.skipif(GCC is None, reason="gcc is not on PATH (apt-get install gcc)")
+# .ci/run installs gcc, libdrm-dev, libxrt-dev and wheel: there a missing one fails the proof instead of skipping it.
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def requires(available: bool, reason: str) -> pytest.MarkDecorator:
+    """Mark a test that needs a tool or file: skipped with ``reason`` when absent, failed when absent in CI."""
+    return pytest.mark.requires(available=available, reason=reason)
+
+
+@pytest.fixture(autouse=True)
+def _check_requirements(request: pytest.FixtureRequest) -> None:
+    for mark in request.node.iter_markers("requires"):
+        if not mark.kwargs["available"]:
+            if IN_CI:
+                pytest.fail(f"{mark.kwargs['reason']}; .ci/run installs it, so CI must run this proof")
+            pytest.skip(mark.kwargs["reason"])
+
+
+needs_gcc = requires(GCC is not None, "gcc is not on PATH (apt-get install gcc)")
 needs_spec = pytest.mark.skipif(not SPEC.is_dir(), reason=f"{SPEC} is absent (shared/ must sit beside the repo)")
 
 
@@ -382,9 +402,9 @@ def system_comparison(ffi, directory: Path, header: tuple[Path, str], includes: 
 DRM_H = dpkg_header("libdrm-dev", ("libdrm/drm.h",))
 XCLBIN_H = dpkg_header("libxrt-dev", ("xrt/detail/xclbin.h", "xrt/xclbin.h"))
 ERT_H = dpkg_header("libxrt-dev", ("xrt/detail/ert.h", "xrt/ert.h"))
-needs_drm_h = pytest.mark.skipif(DRM_H is None, reason="libdrm drm.h not installed (apt-get install libdrm-dev)")
-needs_xrt_h = pytest.mark.skipif(XCLBIN_H is None or ERT_H is None,
-                                 reason="XRT xclbin.h/ert.h not installed (apt-get install libxrt-dev uuid-dev)")
+needs_drm_h = requires(DRM_H is not None, "libdrm drm.h not installed (apt-get install libdrm-dev)")
+needs_xrt_h = requires(XCLBIN_H is not None and ERT_H is not None,
+                       "XRT xclbin.h/ert.h not installed (apt-get install libxrt-dev uuid-dev)")
 
 
 def drm_includes() -> str:
@@ -557,12 +577,13 @@ AXLF_OFFSETS = {
     "mem_data": {"m_type": 0, "m_used": 1, "m_size": 8, "m_base_address": 16, "m_tag": 24},
     "connection": {"arg_index": 0, "m_ip_layout_index": 4, "mem_data_index": 8},
     "ip_data": {"m_type": 0, "properties": 4, "m_base_address": 8, "m_name": 16},
-    "aie_partition": {"schema_version": 0x00, "mpo_name": 0x04, "operations_per_cycle": 0x08,
-                      "inference_fingerprint": 0x10, "pre_post_fingerprint": 0x18, "info": 0x20, "aie_pdi": 0x78,
-                      "kernel_commit_id": 0x80, "reserved": 0x84},
-    "aie_partition_info": {"column_width": 0x00, "start_columns": 0x08},
+    "aie_partition": {"schema_version": 0x00, "padding0": 0x01, "mpo_name": 0x04, "operations_per_cycle": 0x08,
+                      "padding": 0x0C, "inference_fingerprint": 0x10, "pre_post_fingerprint": 0x18, "info": 0x20,
+                      "aie_pdi": 0x78, "kernel_commit_id": 0x80, "reserved": 0x84},
+    # 3.8: info at 0x20 holds column_width @0x20, 6 pad, start_columns @0x28, 72 reserved
+    "aie_partition_info": {"column_width": 0x00, "padding": 0x02, "start_columns": 0x08, "reserved": 0x10},
     "aie_pdi": {"uuid": 0x00, "pdi_image": 0x10, "cdo_groups": 0x18, "reserved": 0x20},
-    "cdo_group": {"mpo_name": 0x00, "cdo_type": 0x04, "pdi_id": 0x08, "dpu_kernel_ids": 0x10,
+    "cdo_group": {"mpo_name": 0x00, "cdo_type": 0x04, "padding": 0x05, "pdi_id": 0x08, "dpu_kernel_ids": 0x10,
                   "pre_cdo_groups": 0x18, "reserved": 0x20},
     "array_offset": {"size": 0, "offset": 4},
 }
@@ -570,9 +591,26 @@ AXLF_SIZES = {"axlf_header": 152, "axlf_section_header": 40, "mem_data": 40, "co
               "aie_partition": 184, "aie_partition_info": 88, "aie_pdi": 96, "cdo_group": 96, "array_offset": 8}
 
 
+# ERT payload offsets from spec/amdxdna-uapi.md 6.2-6.5 (bytes after the header word / CU masks).
+ERT_OFFSETS = {
+    "ert_start_kernel_cmd": {"header": 0, "cu_mask": 4, "data": 8},                          # 6.2
+    "ert_npu_data": {"instruction_buffer": 0, "instruction_buffer_size": 8, "instruction_prop_count": 12,
+                     "data": 16},                                                              # 6.3
+    "ert_npu_preempt_data": {"instruction_buffer": 0, "save_buffer": 8, "restore_buffer": 16,
+                             "instruction_buffer_size": 24, "save_buffer_size": 28, "restore_buffer_size": 32,
+                             "instruction_prop_count": 36, "data": 40},                       # 6.4
+    "ert_cmd_chain_data": {"command_count": 0, "submit_index": 4, "error_index": 8, "reserved": 12,
+                           "data": 24},                                                        # 6.5
+}
+ERT_SIZES = {"ert_npu_data": 16, "ert_npu_preempt_data": 40, "ert_cmd_chain_data": 24}
+
+
+def flat_offsets(table: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    return {(struct, member): offset for struct, members in table.items() for member, offset in members.items()}
+
+
 def test_axlf_layout_of_spec_section_3():
-    assert facts_mismatches(abi.ffi, AXLF_SIZES, {(s, f): o for s, fs in AXLF_OFFSETS.items() for f, o in fs.items()}) \
-        == []
+    assert facts_mismatches(abi.ffi, AXLF_SIZES, flat_offsets(AXLF_OFFSETS)) == []
     assert (abi.AIE_PARTITION, abi.MEM_TOPOLOGY, abi.IP_LAYOUT, abi.IP_PS_KERNEL, abi.CT_PRIMARY) == (32, 6, 8, 7, 1)
 
 
@@ -589,15 +627,31 @@ def test_ert_packet_layout_of_spec_section_6():
             abi.ERT_START_NPU_PREEMPT_ELF) == (0, 18, 19, 20, 21, 22)
     assert [abi.ERT_CMD_STATE_NEW, abi.ERT_CMD_STATE_COMPLETED, abi.ERT_CMD_STATE_ERROR, abi.ERT_CMD_STATE_ABORT,
             abi.ERT_CMD_STATE_TIMEOUT, abi.ERT_CMD_STATE_NORESPONSE] == [1, 4, 5, 6, 8, 9]
-    # 6.2-6.5: payloads
-    assert ffi.offsetof("struct ert_start_kernel_cmd", "cu_mask") == 4
-    assert ffi.offsetof("struct ert_start_kernel_cmd", "data") == 8
-    npu = ("instruction_buffer", "instruction_buffer_size", "instruction_prop_count", "data")
-    assert [ffi.offsetof("struct ert_npu_data", f) for f in npu] == [0, 8, 12, 16]
-    assert ffi.sizeof("struct ert_npu_preempt_data") == 40  # 6.4: a 40-byte payload header
-    chain = ("command_count", "submit_index", "error_index", "reserved", "data")
-    assert [ffi.offsetof("struct ert_cmd_chain_data", f) for f in chain] == [0, 4, 8, 12, 24]  # 6.5: 24 + 8*count
+    # 6.2-6.5: payloads; a chain entry is a u64 (24 + 8*count bytes)
+    assert facts_mismatches(ffi, ERT_SIZES, flat_offsets(ERT_OFFSETS)) == []
     assert ffi.sizeof("uint64_t") == ffi.sizeof(ffi.typeof("struct ert_cmd_chain_data").fields[-1][1].type.item)
+
+
+@needs_spec
+@needs_drm_h
+@needs_xrt_h
+def test_every_struct_and_field_of_the_headers_is_pinned_by_an_independent_oracle():
+    # A moved or resized member changes its offset or its struct's size; the proofs above catch that for every
+    # member some oracle other than cffi places: the facts files, the spec tables, libdrm's and XRT's headers.
+    sizes, offsets, _ = spec_facts()
+    pinned_sizes = set(sizes) | set(AXLF_SIZES) | set(ERT_SIZES)
+    pinned = set(offsets) | set(flat_offsets(AXLF_OFFSETS)) | set(flat_offsets(ERT_OFFSETS))
+    mine = cffi_layouts(abi.ffi)
+    names = [tag.removeprefix("struct ") for tag in mine if tag.startswith("struct ")]
+    for header in (DRM_H, XCLBIN_H, ERT_H):
+        theirs, _ = foreign_definitions(header[0] / header[1], names, [])
+        for tag, members in theirs.items():
+            pinned_sizes.add(tag.removeprefix("struct "))
+            pinned.update((tag.removeprefix("struct "), path) for path in members)
+    unpinned = [f"{tag} (size)" for tag in mine if tag.removeprefix("struct ") not in pinned_sizes]
+    unpinned += [f"{tag}.{path}" for tag, layout in mine.items() for path in layout.fields
+                 if (tag.removeprefix("struct "), path) not in pinned]
+    assert len(mine) >= 60 and unpinned == []
 
 
 @pytest.mark.skipif(not FIXTURE_NPU1.is_dir(), reason=f"{FIXTURE_NPU1} is absent")
@@ -687,6 +741,19 @@ def test_libdrm_comparison_reports_two_swapped_fields(tmp_path):
 
 @needs_gcc
 @needs_xrt_h
+def test_xrt_and_spec_comparisons_report_two_swapped_axlf_fields(tmp_path):
+    directory = altered_headers(tmp_path, "xclbin.h", "axlf_section_header", "m_sectionOffset", "m_sectionSize")
+    ffi = abi.build_ffi(directory)
+    problems = system_comparison(ffi, directory, XCLBIN_H, f"#include <{XCLBIN_H[1]}>", tmp_path / "probe")
+    assert sorted(p.split(":")[0] for p in problems) == ["struct axlf_section_header.m_sectionOffset",
+                                                         "struct axlf_section_header.m_sectionSize"]
+    assert facts_mismatches(ffi, AXLF_SIZES, flat_offsets(AXLF_OFFSETS)) == [
+        "axlf_section_header.m_sectionOffset: offset 32, facts say 24",
+        "axlf_section_header.m_sectionSize: offset 24, facts say 32"]
+
+
+@needs_gcc
+@needs_xrt_h
 def test_xrt_comparison_reports_a_moved_header_bit_field(tmp_path):
     directory = tmp_path / "headers"
     shutil.copytree(HEADERS, directory)
@@ -741,6 +808,8 @@ def test_new_sets_fields_and_validates():
         abi.new("struct amdxdna_drm_create_bo", sz=1)
     with pytest.raises(ValueError, match="handle=4294967296 does not fit"):
         abi.new("struct amdxdna_drm_create_bo", handle=1 << 32)
+    with pytest.raises(TypeError, match=r"size='4096' has the wrong type"):
+        abi.new("struct amdxdna_drm_create_bo", size="4096")
     with pytest.raises(TypeError, match="not a declared C type"):
         abi.new("struct no_such_struct")
 
@@ -768,8 +837,9 @@ def test_libc_mmap_and_munmap_work_through_the_cdef():
 def test_header_dir_prefers_the_package_copy_and_reports_absence(tmp_path, monkeypatch):
     assert abi.header_dir() in (Path(abi.__file__).resolve().parent / "headers", HEADERS)
     monkeypatch.setattr(abi, "_PACKAGE_DIR", tmp_path / "pkg")
-    with pytest.raises(FileNotFoundError, match="headers libc.h, drm.h"):
+    with pytest.raises(FileNotFoundError, match="headers libc.h, drm.h") as raised:
         abi.header_dir()
+    assert raised.value.errno == errno.ENOENT and raised.value.filename.startswith(str(tmp_path / "pkg"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -782,12 +852,8 @@ def _can_build_wheels_offline() -> bool:
     return importlib.util.find_spec("wheel") is not None or (major, minor) >= (70, 1)
 
 
-@pytest.mark.ci
-@pytest.mark.skipif(not _can_build_wheels_offline(),
-                    reason="setuptools < 70.1 without the 'wheel' package cannot build a wheel offline "
-                           "(.ci/run installs wheel)")
-def test_wheel_ships_headers_and_imports_in_a_clean_venv_without_gcc(tmp_path):
-    # build from a copy (pip builds in-tree): the packages, headers/ and the top-level files (pyproject, README...)
+def build_wheel(tmp_path: Path) -> Path:
+    """``pip wheel`` of a copy of the repo's packaged files (pip builds in-tree), offline; returns the wheel."""
     source = tmp_path / "src"
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
     for name in ("amdxdna_direct", "sam3", "headers"):
@@ -798,25 +864,87 @@ def test_wheel_ships_headers_and_imports_in_a_clean_venv_without_gcc(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path / "dist")], check=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("amdxdna_direct-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        for name in abi.HEADER_FILES:
-            assert archive.read(f"amdxdna_direct/headers/{name}") == (HEADERS / name).read_bytes()
+    return wheel
 
+
+def requirement_name(line: str) -> str:
+    """The normalised project name of a Requires-Dist value (PEP 503: case and ``_``/``.`` folded to ``-``)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", line).group(0)).lower()
+
+
+def check_wheel_contents(archive: zipfile.ZipFile) -> None:
+    """Issue 2 item 1: name, dependencies, test extra, console script, every module and the headers inside."""
+    names = set(archive.namelist())
+    for name in abi.HEADER_FILES:
+        assert archive.read(f"amdxdna_direct/headers/{name}") == (HEADERS / name).read_bytes()
+    sources = {path.relative_to(REPO).as_posix() for package in ("amdxdna_direct", "sam3")
+               for path in (REPO / package).rglob("*.py") if "__pycache__" not in path.parts}
+    assert sorted(sources - names) == [], "pyproject.toml [tool.setuptools] packages misses a subpackage"
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    meta = archive.read(metadata).decode()
+    assert re.search(r"^Name: amdxdna-direct$", meta, flags=re.M)
+    requires = re.findall(r"^Requires-Dist: (.+)$", meta, flags=re.M)
+    assert sorted(requirement_name(r) for r in requires if "extra ==" not in r) == ["cffi", "ml-dtypes", "numpy"]
+    assert re.findall(r"^Provides-Extra: (.+)$", meta, flags=re.M) == ["test"]
+    assert sorted(requirement_name(r) for r in requires if "extra ==" in r) == ["hypothesis", "pytest"]
+    assert re.search(r"^amdxdna = amdxdna_direct\.cli:main$", archive.read(entry_points).decode(), flags=re.M)
+
+
+def test_ci_runs_the_readme_test_command():
+    # .ci/run reads its test command out of the README (issue 2 item 8); run that extraction here
+    script = (REPO / ".ci" / "run").read_text()
+    (assignment,) = re.findall(r"^test_command=\$\((.*)\)$", script, flags=re.M)
+    extracted = subprocess.run(["bash", "-c", assignment], cwd=REPO, capture_output=True, text=True, check=True,
+                               timeout=30).stdout.strip()
+    block = re.search(r"```sh\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert extracted == commands[1] == "pip install -e '.[test]' && python -m pytest -q"
+    assert 'bash -c "set -e; $test_command"' in script
+
+
+# A TXN stream with one WRITE32 (spec 2.3): header 0.1 devGen 3, 1 op, 40 bytes; op [0x00, 0, addr, 0, value, 24].
+TINY_STREAM = (0x06030100, 0x101, 1, 40, 0x00, 0, 0x1D204, 0, 5, 24)
+
+WHEEL_PROBE = """
+import json, shutil
+from amdxdna_direct import abi, open_device
+with open_device("emu:npu1") as device:
+    size = device.bo(4096).size
+print(json.dumps([abi.__file__, str(abi.header_dir()), abi.ffi.sizeof("struct amdxdna_drm_exec_cmd"),
+                  shutil.which("gcc"), abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, size]))
+"""
+
+
+@pytest.mark.ci
+@requires(_can_build_wheels_offline(),
+          "setuptools < 70.1 without the 'wheel' package cannot build a wheel offline (pip install wheel)")
+def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path):
+    wheel = build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        check_wheel_contents(archive)
+
+    # a venv without pip and without the repo: numpy/cffi come from the system, amdxdna_direct only from the wheel
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, timeout=300)
-    probe = ("import json, shutil; from amdxdna_direct import abi; "
-             "print(json.dumps([abi.__file__, str(abi.header_dir()), abi.ffi.sizeof('struct amdxdna_drm_exec_cmd'), "
-             "shutil.which('gcc'), abi.DRM_IOCTL_AMDXDNA_EXEC_CMD]))")
     env = {"PATH": str(venv / "bin"), "HOME": str(tmp_path)}
-    result = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
-                            timeout=120)
+    result = subprocess.run([str(python), "-I", "-c", WHEEL_PROBE], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    module_file, headers, size, gcc, request = json.loads(result.stdout)
+    module_file, headers, size, gcc, request, bo_size = json.loads(result.stdout)
     site = venv.resolve()
     assert Path(module_file).resolve().is_relative_to(site) and Path(headers).resolve().is_relative_to(site)
     assert Path(headers).name == "headers" and Path(headers).parent.name == "amdxdna_direct"
-    assert (size, gcc, request) == (56, None, abi.DRM_IOCTL_AMDXDNA_EXEC_CMD)
+    assert (size, gcc, request, bo_size) == (56, None, abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, 4096)
+
+    # the console script the wheel installed
+    stream = tmp_path / "tiny.bin"
+    stream.write_bytes(b"".join(word.to_bytes(4, "little") for word in TINY_STREAM))
+    done = subprocess.run([str(venv / "bin" / "amdxdna"), "insts", "--json", str(stream)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["ops"] == [{"op": "write32", "addr": 0x1D204, "value": 5}]

@@ -1,26 +1,44 @@
 """amdxdna doctor: host checks over a fake /dev + /sys + /etc tree, device checks on the emulator.
 
 Oracles: the sysfs layout and PCI ids of spec/amdxdna-uapi.md 8 and xrt-npu-sequence.md 1.1, access(2)
-rules for the mode bits, kmsg(4) record format, and the emulator's own fault switches.
+rules for the mode bits, kmsg(4) record format, the feature levels of spec 1b and 11, the emulator's
+profiles and fault switches, and drivers that answer differently (test_cli_isolation.AlteredDriver).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
 import json
 import os
 import resource
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import test_cli_isolation
+from test_cli_isolation import (
+    DRM_IOCTL_AMDXDNA_CREATE_HWCTX,
+    DRM_IOCTL_AMDXDNA_GET_INFO,
+    DRM_IOCTL_GET_CAP,
+    QUERY_FIRMWARE_VERSION,
+    AlteredDriver,
+    failing_query,
+    zero_cap_value,
+)
 
-from amdxdna_direct import doctor, open_device
+from amdxdna_direct import doctor, insts, open_device
 from amdxdna_direct.cli import doctor_cmd, main
 from amdxdna_direct.device import pci_generation
 from amdxdna_direct.doctor import FAIL, PASS, SKIP, WARN, Host, Identity
 from amdxdna_direct.emu import EmuDevice
-from amdxdna_direct.xclbin import build_mlir_aie
+from amdxdna_direct.xclbin import build_mlir_aie, write
+
+# Every test here runs under the guard: no file of the real system is read (test_cli_isolation).
+no_system_files = test_cli_isolation.no_system_files
+pytestmark = pytest.mark.usefixtures("no_system_files")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 NPU1_1COL = SHARED / "fixtures/xdna/mlir-aie-npu1_1col"
@@ -251,42 +269,15 @@ def test_all_checks_pass_on_the_emulator():
     assert "bo0 -> bo1" in results["self-test"].detail
 
 
-def test_old_driver_without_get_array_warns():
-    emu = EmuDevice("npu1", drm_minor=0)  # Linux 6.14-6.17 feature level (spec 11)
-    try:
-        result = by_name(doctor.run_checks(emu, host=host_for(Path("/nonexistent"))))["feature-level"]
-    finally:
-        emu.close()
-    assert result.status == WARN
-    assert "0.0: GET_ARRAY unavailable (EINVAL)" in result.detail  # empty table slot -> EINVAL (spec 4.0)
-    assert "Linux >= 6.18" in result.fix
-
-
-def test_firmware_context_limit_reached_fails():
-    emu = EmuDevice("npu1")
-    emu.faults.cap_contexts(0)
-    try:
-        results = by_name(doctor.run_checks(emu, host=host_for(Path("/nonexistent"))))
-    finally:
-        emu.close()
-    assert results["contexts"].status == FAIL
-    assert "CREATE_HWCTX(num_tiles=4" in results["contexts"].detail and "EINVAL" in results["contexts"].detail
-    assert "close the programs holding NPU contexts" in results["contexts"].fix
-    assert results["self-test"].status == SKIP
-
-
 def test_contexts_held_by_another_fd_fail_and_name_the_pid():
-    emu = EmuDevice("npu1")
-    held = []
-    try:
+    with EmuDevice("npu1") as emu:
+        held = []
         with open_device(emu) as other:
             xclbin = build_mlir_aie(b"pdi", column_width=1, n_buffers=2)
             for _ in range(6):  # the NPU1 firmware limit (spec 8)
                 held.append(other.hw_context(xclbin))
             results = by_name(doctor.run_checks(emu, host=host_for(Path("/nonexistent"))))
             live = other.hw_contexts()
-    finally:
-        emu.close()
     result = results["contexts"]
     assert len(live) == 6
     assert result.status == FAIL
@@ -296,14 +287,40 @@ def test_contexts_held_by_another_fd_fail_and_name_the_pid():
 
 @needs_fixture
 def test_self_test_with_the_npu1_fixture():
-    emu = EmuDevice("npu1")
-    try:
+    with EmuDevice("npu1") as emu:
         with open_device(emu) as dev:
             result = doctor.check_self_test(dev, NPU1_1COL / "aie.xclbin", NPU1_1COL / "insts.bin")
-    finally:
-        emu.close()
     assert result.status == PASS
     assert "64 bytes (bo0 -> bo2)" in result.detail  # patches slots 0 and 2; output BD 16 words (spec 2.3)
+
+
+def test_context_probe_asks_one_column_with_the_runtimes_qos():
+    # Spec 2.1 create_hwctx: qos_p u64 @16, max_opc u32 @32, num_tiles u32 @36; spec 12: the out-of-tree
+    # driver reads a 32-byte qos_info whose u32 user_start_col @24 must be 0xFF ("not requested").
+    seen = []
+
+    def record(request: bytes) -> int:
+        qos_p, = struct.unpack_from("<Q", request, 16)
+        max_opc, num_tiles = struct.unpack_from("<II", request, 32)
+        seen.append((ctypes.string_at(qos_p, 32), max_opc, num_tiles))
+        return 0
+
+    with EmuDevice("npu4") as emu:
+        with open_device(AlteredDriver(emu, fail={DRM_IOCTL_AMDXDNA_CREATE_HWCTX: record})) as dev:
+            result = doctor.check_contexts(dev)
+            live_after = dev.hw_contexts()
+    assert result.status == PASS and live_after == []  # created and destroyed again
+    assert seen == [(bytes(24) + (0xFF).to_bytes(4, "little") + bytes(4), 0, 4)]  # one column = 4 core rows (spec 8)
+
+
+def test_self_test_design_with_one_buffer_is_unusable():
+    one_slot = insts.encode(insts.dma_stream(3, [(0, 64, "in")]))
+    with EmuDevice("npu1") as emu:
+        with open_device(emu) as dev:
+            result = doctor.check_self_test(dev, write(build_mlir_aie(b"pdi", column_width=1, n_buffers=1)), one_slot)
+    assert result.status == FAIL
+    assert result.detail == ("self-test design unusable: self-test stream patches buffer slots [0]; "
+                             "a passthrough needs two")
 
 
 def test_self_test_skipped_on_a_real_device_without_a_design():
@@ -348,24 +365,133 @@ def test_cli_unknown_user_is_a_usage_error(tmp_path, capsys):
     assert "'mallory'" in capsys.readouterr().err
 
 
-def test_cli_emulator_passes(capsys):
-    assert main(["doctor", "--device", "emu:npu1"]) == 0
+def test_cli_emulator_passes(tmp_path, capsys):
+    root = make_tree(tmp_path, node=False)  # the emulator needs no node; the root only names the user
+    assert main(["doctor", "--device", "emu:npu1", "--root", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines[:-1]] == [
+        ["[skip]", "node"], ["[skip]", "permission"], ["[pass]", "memlock"], ["[skip]", "kernel-log"],
+        ["[pass]", "feature-level"], ["[pass]", "firmware"], ["[pass]", "contexts"], ["[pass]", "self-test"]]
+    assert "firmware 1.5.5.391" in lines[5]  # the npu1 profile's firmware, read back through GET_INFO
+    assert "0 context(s) live of 6" in lines[6]  # NPU1 firmware limit (spec 8)
+    assert lines[-1] == "0 failed, 0 warning(s), 5 passed, 3 skipped"
+
+
+def doctor_args(device, **overrides) -> argparse.Namespace:
+    values = dict(root="/nonexistent", user=None, device=device, xclbin=None, insts=None, json=False)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def run_doctor(device, capsys, **overrides) -> tuple[int, dict[str, doctor.CheckResult]]:
+    """``doctor --json`` on ``device`` (an EmuDevice or a stand-in); returns the exit code and the results."""
+    rc = doctor_cmd.run(doctor_args(device, json=True, **overrides))
+    return rc, by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out))
+
+
+def test_cli_old_driver_numbering_fails_and_skips_the_rest(capsys):
+    # A pre-December-2024 out-of-tree driver: nr 0x47 is its WAIT_CMD, so GET_INFO is refused (spec 1b).
+    with EmuDevice("npu1") as emu:
+        old = AlteredDriver(emu, fail={DRM_IOCTL_AMDXDNA_GET_INFO: lambda req: errno.EINVAL})
+        rc, results = run_doctor(old, capsys)
+    assert rc == 1
+    feature = results["feature-level"]
+    assert feature.status == FAIL
+    assert "0.10: GET_INFO(QUERY_AIE_METADATA) failed" in feature.detail and "EINVAL" in feature.detail
+    assert "predates the December 2024 ioctl numbering" in feature.fix and "Linux >= 6.18" in feature.fix
+    assert [results[n].status for n in doctor.DEVICE_CHECKS[1:]] == [SKIP] * 3
+    assert results["firmware"].detail == "not run: the driver failed the feature-level check"
+
+
+def test_cli_driver_without_timeline_syncobjs_fails(capsys):
+    with EmuDevice("npu4") as emu:
+        rc, results = run_doctor(AlteredDriver(emu, edit={DRM_IOCTL_GET_CAP: zero_cap_value}), capsys)
+    assert rc == 1
+    assert results["feature-level"].status == FAIL
+    assert "DRM_CAP_SYNCOBJ_TIMELINE is 0" in results["feature-level"].detail
+    assert "amd/xdna-driver DKMS" in results["feature-level"].fix
+
+
+def test_cli_linux_6_14_driver_warns_but_passes(capsys):
+    with EmuDevice("npu1", drm_minor=0) as emu:  # Linux 6.14-6.17 feature level (spec 11)
+        assert doctor_cmd.run(doctor_args(emu)) == 0  # a warning is not a failure
     out = capsys.readouterr().out
-    assert "[pass] self-test" in out
-    assert out.splitlines()[-1].startswith("0 failed")
+    assert "[WARN] feature-level  amdxdna_accel_driver 0.0: GET_ARRAY unavailable (EINVAL)" in out
+    assert "fix: use Linux >= 6.18" in out
+    assert "[pass] self-test" in out  # kernels still run at feature level 0.0
+    assert "0 context(s) live of 6;" in out  # no QUERY_RESOURCE_INFO before 0.4: the NPU1 limit of spec 8
+
+
+def test_cli_unreadable_firmware_version_fails(capsys):
+    with EmuDevice("npu4") as emu:
+        rc, results = run_doctor(AlteredDriver(emu, fail=failing_query(QUERY_FIRMWARE_VERSION, errno.EIO)), capsys)
+    assert rc == 1
+    assert results["feature-level"].status == PASS
+    firmware = results["firmware"]
+    assert firmware.status == FAIL
+    assert "firmware version unreadable: GET_INFO(" in firmware.detail and "EIO" in firmware.detail
+    assert "amdnpu/<devid>_<rev>/npu.sbin" in firmware.fix
+
+
+def test_firmware_disagreeing_with_sysfs_warns():
+    with EmuDevice("npu4") as emu:
+        with open_device(emu) as dev:
+            agree = doctor.check_firmware(dev, "1.0.0.63")  # the npu4 profile's version (emulator)
+            differ = doctor.check_firmware(dev, "1.0.0.50")
+    assert agree.status == PASS
+    assert differ.status == WARN
+    assert differ.detail == "firmware 1.0.0.63, but sysfs fw_version says 1.0.0.50"
+    assert "modprobe -r amdxdna" in differ.fix
+
+
+@needs_fixture
+def test_cli_self_test_failure_names_the_command_state(capsys):
+    with EmuDevice("npu1") as emu:
+        emu.faults.error(insts.encode(insts.load(NPU1_1COL / "insts.bin")))
+        rc, results = run_doctor(emu, capsys, xclbin=str(NPU1_1COL / "aie.xclbin"),
+                                 insts=str(NPU1_1COL / "insts.bin"))
+    assert rc == 1
+    assert results["self-test"].status == FAIL
+    detail = results["self-test"].detail
+    assert detail.startswith("passthrough kernel failed:") and "ERROR" in detail
+
+
+def test_cli_malformed_self_test_design_fails_with_exit_1(tmp_path, capsys):
+    (tmp_path / "bad.xclbin").write_bytes(b"not an xclbin at all")
+    (tmp_path / "insts.bin").write_bytes(b"")
+    with EmuDevice("npu1") as emu:
+        rc, results = run_doctor(emu, capsys, xclbin=str(tmp_path / "bad.xclbin"), insts=str(tmp_path / "insts.bin"))
+    assert rc == 1
+    result = results["self-test"]
+    assert result.status == FAIL
+    assert result.detail.startswith(f"self-test design unusable: xclbin {tmp_path / 'bad.xclbin'}: axlf header")
+    assert "amdxdna xclbin X" in result.fix
+
+
+def test_cli_usage_errors_exit_2(tmp_path, capsys):
+    root = str(make_tree(tmp_path))
+    assert main(["doctor", "--root", root, "--device", "emu:npu9"]) == 2
+    assert "unknown emulator profile 'npu9' (profiles: npu1, npu4, npu5, npu6)" in capsys.readouterr().err
+    assert main(["doctor", "--root", root, "--device", "emu:npu1", "--xclbin", "x.xclbin"]) == 2
+    assert "--xclbin and --insts go together" in capsys.readouterr().err
+
+
+def test_cli_environment_device_ignored_for_another_root(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AMDXDNA_DEVICE", "emu:npu1")  # names a device of this machine, not of the copied tree
+    assert main(["doctor", "--root", str(make_tree(tmp_path, node=False))]) == 1
+    assert "[FAIL] node" in capsys.readouterr().out
 
 
 def test_cli_no_free_contexts_exit_1(capsys):
-    emu = EmuDevice("npu4")
-    emu.faults.cap_contexts(0)
-    args = argparse.Namespace(root="/nonexistent", user=None, device=emu, xclbin=None, insts=None, json=False)
-    try:
-        assert doctor_cmd.run(args) == 1
-    finally:
-        emu.close()
+    with EmuDevice("npu4") as emu:
+        emu.faults.cap_contexts(0)  # the firmware refuses every context (spec 4.1: EINVAL from the firmware step)
+        assert doctor_cmd.run(doctor_args(emu)) == 1
     out = capsys.readouterr().out
-    assert "[FAIL] contexts" in out
-    assert "fix: close the programs holding NPU contexts" in out
+    contexts = out[out.index("[FAIL] contexts"):].splitlines()
+    assert "no context available: CREATE_HWCTX(num_tiles=4" in contexts[0] and "EINVAL" in contexts[0]
+    assert contexts[1].strip() == ("fix: close the programs holding NPU contexts (`amdxdna info` lists them) or wait "
+                                   "for them to finish; the firmware allows 0 context(s)")  # QUERY_RESOURCE_INFO
+    assert contexts[2] == "[skip] self-test      not run: no hardware context is available"
 
 
 def test_kernel_log_permission_denied_names_root(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -76,6 +77,46 @@ def test_xclbin_json_document(capsys):
                                   "dpu_kernel_ids": [int(v, 16) for v in g["dpu_kernel_ids"]],
                                   "pre_cdo_groups": [int(v, 16) for v in g["pre_cdo_groups"]]}
                                  for g in want["PDIs"][0]["cdo_groups"]]
+
+
+# Issue 2 item 7, read literally: the key set of every object of the two documents.
+XCLBIN_KEYS = {"uuid", "length", "sections", "kernels", "partition"}
+SECTION_KEYS = {"kind", "name", "offset", "size"}
+KERNEL_KEYS = {"name", "type", "dpu_kernel_id", "instances", "args"}
+ARG_KEYS = {"name", "index", "offset", "size", "kind"}
+PARTITION_KEYS = {"column_width", "start_columns", "ops_per_cycle", "pdis"}
+PDI_KEYS = {"uuid", "size", "sha256", "cdo_groups"}
+CDO_GROUP_KEYS = {"name", "type", "pdi_id", "dpu_kernel_ids", "pre_cdo_groups"}
+INSTS_KEYS = {"format", "major", "minor", "dev_gen", "rows", "cols", "mem_tile_rows", "num_ops", "size_bytes", "ops"}
+OP_KEYS = {"write32": {"op", "addr", "value"}, "blockwrite": {"op", "addr", "words"},
+           "maskwrite": {"op", "addr", "value", "mask"}, "ddr_patch": {"op", "reg_addr", "arg_idx", "arg_plus"},
+           "sync": {"op", "direction", "row", "col", "channel", "row_num", "col_num"}}
+HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+@pytest.mark.parametrize("rel", ["mlir-aie-npu1_1col/aie.xclbin", "mlir-aie-npu2_1col/final.xclbin",
+                                 "amd-npu4/preemption_4x4.xclbin", "amd-npu4/preemption_4x8.xclbin",
+                                 "amd-npu1/validate_throughput_phx.xclbin"])
+def test_xclbin_json_schema_of_every_fixture(capsys, rel):
+    doc = run_json(capsys, "xclbin", str(fixture(rel)))
+    assert set(doc) == XCLBIN_KEYS and HEX32.fullmatch(doc["uuid"]) and doc["length"] == fixture(rel).stat().st_size
+    assert all(set(s) == SECTION_KEYS and isinstance(s["kind"], str) for s in doc["sections"])
+    for kernel in doc["kernels"]:
+        assert set(kernel) == KERNEL_KEYS and isinstance(kernel["instances"], list)
+        assert all(set(a) == ARG_KEYS and a["kind"] in ("scalar", "global") for a in kernel["args"])
+    part = doc["partition"]
+    assert set(part) == PARTITION_KEYS and part["pdis"]
+    for pdi in part["pdis"]:
+        assert set(pdi) == PDI_KEYS and HEX32.fullmatch(pdi["uuid"]) and re.fullmatch(r"[0-9a-f]{64}", pdi["sha256"])
+        assert all(set(g) == CDO_GROUP_KEYS and g["type"] in ("UNKNOWN", "PRIMARY", "LITE", "PREPOST")
+                   for g in pdi["cdo_groups"])
+
+
+@pytest.mark.parametrize("rel", ["mlir-aie-npu1_1col/insts.bin", "mlir-aie-npu2_1col/insts.bin"])
+def test_insts_json_schema_of_every_fixture(capsys, rel):
+    doc = run_json(capsys, "insts", str(fixture(rel)))
+    assert set(doc) == INSTS_KEYS and doc["format"] == "txn" and doc["size_bytes"] == fixture(rel).stat().st_size
+    assert doc["num_ops"] == len(doc["ops"]) and all(set(op) == OP_KEYS[op["op"]] for op in doc["ops"])
 
 
 def test_xclbin_json_amd_fixture_and_null_partition(capsys, tmp_path):

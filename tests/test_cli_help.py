@@ -1,15 +1,32 @@
-"""--help of info, doctor, run and trace: every option explained with its default, exit codes in the epilog."""
+"""--help of every subcommand, and one exit-code rule for all of them.
+
+The rule (docs/cli.md, each subcommand's epilog): 0 success; 1 failure, which includes an input file that
+cannot be read or is malformed (xclbin, instruction stream, .npy) and an output that cannot be written;
+2 usage error (the command line itself is wrong). Oracles: argparse's own option table (every option must
+appear in the help with its meaning and default), the README, and files malformed on purpose.
+"""
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
+from pathlib import Path
 
 import pytest
+import test_cli_isolation
 
 from amdxdna_direct.cli import build_parser, main
 
-COMMANDS = ("info", "doctor", "run", "trace")
+# Every test here runs under the guard: no file of the real system is read (test_cli_isolation).
+no_system_files = test_cli_isolation.no_system_files
+pytestmark = pytest.mark.usefixtures("no_system_files")
+
+DEVICE_COMMANDS = ("info", "doctor", "run", "trace")
+FILE_COMMANDS = ("xclbin", "insts")
+README = Path(__file__).resolve().parents[1] / "README.md"
+NPU1_1COL = Path(__file__).resolve().parents[2] / "shared/fixtures/xdna/mlir-aie-npu1_1col"
+needs_fixture = pytest.mark.skipif(not (NPU1_1COL / "aie.xclbin").exists(), reason=f"fixtures absent: {NPU1_1COL}")
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
@@ -17,7 +34,7 @@ def subparser(name: str) -> argparse.ArgumentParser:
     return action.choices[name]
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("name", DEVICE_COMMANDS)
 def test_help_lists_every_option_with_meaning_and_default(name, capsys):
     assert main([name, "--help"]) == 0
     text = capsys.readouterr().out
@@ -29,17 +46,58 @@ def test_help_lists_every_option_with_meaning_and_default(name, capsys):
         assert action.help and len(action.help) > 20, action.option_strings
         if not action.required:
             assert "default" in action.help, f"{name} {action.option_strings[0]} does not state its default"
-    assert "--device" in text  # --device everywhere (issue 6)
+    assert "--device" in text and "--json" in text  # --device everywhere, --json where the output is data
     assert "exit codes:" in text
     assert re.search(r"^  1 +\S", text, re.MULTILINE) and re.search(r"^  2 +usage error", text, re.MULTILINE)
 
 
-@pytest.mark.parametrize("name", COMMANDS)
-def test_listed_in_the_top_level_help(name, capsys):
+@pytest.mark.parametrize("name", DEVICE_COMMANDS + FILE_COMMANDS)
+def test_listed_in_the_top_level_help_and_the_readme(name, capsys):
     assert main(["--help"]) == 0
-    assert f"    {name} " in capsys.readouterr().out
+    assert re.search(rf"^    {name} +\S", capsys.readouterr().out, re.MULTILINE)  # with its one-line summary
+    readme = README.read_text()
+    section = readme[readme.index("## The command line"):]
+    section = section[:section.index("\n## ")]
+    assert f"`amdxdna {name}" in section
 
 
-def test_json_wherever_output_is_data():
-    for name in COMMANDS:
-        assert "--json" in subparser(name)._option_string_actions, name
+@pytest.mark.parametrize("name", FILE_COMMANDS + ("run",))
+def test_epilog_says_a_malformed_file_exits_1(name):
+    epilog = subparser(name).epilog
+    line_1 = epilog[epilog.index("\n  1 "):epilog.index("\n  2 ")]
+    assert "cannot be read" in line_1 and ("malformed" in line_1 or "not a valid" in line_1)
+
+
+def test_unknown_option_and_missing_command_exit_2(capsys):
+    for argv in (["frobnicate"], [], *([name, "--no-such-option"] for name in DEVICE_COMMANDS + FILE_COMMANDS)):
+        assert main(argv) == 2, argv
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+@needs_fixture
+def test_a_malformed_input_file_exits_1_in_every_command(tmp_path, capsys):
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(b"\x00\x01\x03")  # neither an axlf header nor whole 32-bit words
+    good_xclbin, good_insts = str(NPU1_1COL / "aie.xclbin"), str(NPU1_1COL / "insts.bin")
+    runs = {
+        "xclbin": ["xclbin", str(bad)],
+        "insts": ["insts", str(bad)],
+        "run --xclbin": ["run", "--device", "emu:npu1", "--xclbin", str(bad), "--insts", good_insts],
+        "run --insts": ["run", "--device", "emu:npu1", "--xclbin", good_xclbin, "--insts", str(bad)],
+        "run --in": ["run", "--device", "emu:npu1", "--model", "passthrough", "--xclbin", good_xclbin,
+                     "--insts", good_insts, "--in", str(bad), "--out", str(tmp_path / "o.npy")],
+        "doctor --xclbin": ["doctor", "--device", "emu:npu1", "--root", str(tmp_path), "--xclbin", str(bad),
+                            "--insts", good_insts],
+    }
+    codes = {what: main(argv) for what, argv in runs.items()}
+    assert codes == dict.fromkeys(runs, 1)
+    capsys.readouterr()
+    missing = str(tmp_path / "missing")
+    assert [main(["xclbin", missing]), main(["insts", missing]),
+            main(["run", "--device", "emu:npu1", "--xclbin", missing, "--insts", good_insts])] == [1, 1, 1]
+    assert capsys.readouterr().err.count("ENOENT") == 3
+
+
+def test_trace_exit_status_is_the_programs(capsys):
+    assert main(["trace", "--no-log", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 7
+    assert "exited with status 7" in capsys.readouterr().out

@@ -1,22 +1,32 @@
 """amdxdna info on the emulator.
 
 Oracles: spec/amdxdna-uapi.md 8 (PCI ids, 5 NPU1 columns with shim row 0, mem row 1, core rows 2-5,
-firmware context limits 6/16), 11 (QUERY_RESOURCE_INFO only from feature level 0.4), and the contexts
-and commands this test itself creates on a second file descriptor.
+firmware context limits 6/16), 11 (QUERY_HW_CONTEXTS from feature level 0.0, QUERY_RESOURCE_INFO only
+from 0.4), the emulator profile's firmware version and clocks (what GET_INFO must carry back), and the
+contexts and commands this test itself creates on a second file descriptor.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+
+import pytest
+import test_cli_isolation
+from test_cli_isolation import QUERY_FIRMWARE_VERSION, AlteredDriver, failing_query
 
 from amdxdna_direct import insts, open_device
 from amdxdna_direct.cli import info_cmd, main
 from amdxdna_direct.doctor import bind_model
-from amdxdna_direct.emu import EmuDevice
+from amdxdna_direct.emu import PROFILES, EmuDevice
 from amdxdna_direct.emu.models import Passthrough
 from amdxdna_direct.xclbin import build_mlir_aie
+
+# Every test here runs under the guard: no file of the real system is read (test_cli_isolation).
+no_system_files = test_cli_isolation.no_system_files
+pytestmark = pytest.mark.usefixtures("no_system_files")
 
 
 def test_info_text_on_npu1(capsys):
@@ -26,19 +36,18 @@ def test_info_text_on_npu1(capsys):
     assert lines["pci"].startswith("1022:1502 rev 00, npu1, RyzenAI-npu1, KMQ")
     assert lines["driver"].startswith("amdxdna_accel_driver 0.")
     assert "5 columns x 6 rows (shim row 0, mem row 1, core rows 2-5)" in lines["aie"]
-    assert "MP-NPU Clock" in lines["clocks"] and "H Clock" in lines["clocks"]
+    assert lines["firmware"] == "1.5.5.391"  # the npu1 profile's firmware, decoded from GET_INFO
+    mp_npu, h_clock = PROFILES["npu1"].dpm_clocks[0]  # DEFAULT power mode runs DPM level 0 (emulator profile)
+    assert lines["clocks"] == f"MP-NPU Clock {mp_npu} MHz, H Clock {h_clock} MHz"
     assert lines["power mode"] == "DEFAULT"
     assert lines["resources"].endswith("contexts 0 of 6")
     assert lines["contexts"] == "none"
 
 
 def test_info_json_on_npu4():
-    emu = EmuDevice("npu4")
-    try:
+    with EmuDevice("npu4") as emu:
         with open_device(emu) as dev:
             info = info_cmd.collect(dev)
-    finally:
-        emu.close()
     assert info["pci"]["device"] == "17f0" and info["pci"]["revision"] == "10" and info["pci"]["generation"] == "npu4"
     assert info["aie"]["columns"] == 8 and info["aie"]["tiles"]["core"] == {"row_start": 2, "row_count": 4,
                                                                             "dma_channels": 4, "locks": 16}
@@ -48,8 +57,7 @@ def test_info_json_on_npu4():
 
 
 def test_context_table_shows_another_fds_context(capsys):
-    emu = EmuDevice("npu4")
-    try:
+    with EmuDevice("npu4") as emu:
         with open_device(emu) as other:
             stream = insts.dma_stream(4, [(0, 256, "in"), (1, 256, "out")])
             bind_model(emu, stream, Passthrough())
@@ -63,8 +71,6 @@ def test_context_table_shows_another_fds_context(capsys):
             table = json.loads(capsys.readouterr().out)["contexts"]
             assert info_cmd.run(argparse.Namespace(device=emu, json=False)) == 0
             text = capsys.readouterr().out
-    finally:
-        emu.close()
     assert len(table) == 1
     entry = table[0]
     assert (entry["num_col"], entry["pid"], entry["errors"]) == (2, os.getpid(), 0)
@@ -76,14 +82,53 @@ def test_context_table_shows_another_fds_context(capsys):
 
 
 def test_resource_info_not_supported_before_level_0_4(capsys):
-    emu = EmuDevice("npu1", drm_minor=3)
-    try:
+    with EmuDevice("npu1", drm_minor=3) as emu:
         assert info_cmd.run(argparse.Namespace(device=emu, json=False)) == 0
-    finally:
-        emu.close()
     out = capsys.readouterr().out
     assert "resources   not supported by this driver" in out
     assert "feature level 0.3" in out
+
+
+def test_feature_level_0_0_still_lists_contexts(capsys):
+    # Linux 6.14-6.17: GET_INFO QUERY_HW_CONTEXTS exists from 0.0, QUERY_RESOURCE_INFO only from 0.4 (spec 11).
+    with EmuDevice("npu1", drm_minor=0) as emu:
+        with open_device(emu) as other:
+            held = other.hw_context(build_mlir_aie(b"pdi", column_width=1, n_buffers=2))  # kept alive while queried
+            assert info_cmd.run(argparse.Namespace(device=emu, json=True)) == 0
+            held.close()
+    info = json.loads(capsys.readouterr().out)
+    assert info["driver"]["feature_level"] == 0
+    assert info["resources"] == {"error": "not supported by this driver"}
+    assert [(c["num_col"], c["pid"]) for c in info["contexts"]] == [(1, os.getpid())]
+
+
+def test_failed_query_is_shown_and_exits_1(capsys):
+    with EmuDevice("npu4") as emu:
+        altered = AlteredDriver(emu, fail=failing_query(QUERY_FIRMWARE_VERSION, errno.EIO))
+        assert info_cmd.run(argparse.Namespace(device=altered, json=False)) == 1
+    out, err = capsys.readouterr()
+    firmware = next(line for line in out.splitlines() if line.startswith("firmware"))
+    assert "GET_INFO(" in firmware and "EIO" in firmware
+    assert "aie         version" in out  # the other queries still answer
+    assert err == "amdxdna info: emu:npu4: query failed: firmware\n"
+
+
+def test_device_from_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("AMDXDNA_DEVICE", "emu:npu5")
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["device"], info["pci"]["device"], info["pci"]["revision"]) == ("emu:npu5", "17f0", "11")  # spec 8
+
+
+@pytest.mark.parametrize("argv, env", [(["info", "--device", "emu:npu9"], None), (["info"], "emu:npu9"),
+                                       (["info", "--device", ""], None)])
+def test_bad_device_is_a_usage_error(capsys, monkeypatch, argv, env):
+    if env is not None:
+        monkeypatch.setenv("AMDXDNA_DEVICE", env)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "argument --device:" in err
+    assert "unknown emulator profile 'npu9' (profiles: npu1, npu4, npu5, npu6)" in err or "empty device" in err
 
 
 def test_missing_node_exits_1(tmp_path, capsys):

@@ -14,12 +14,17 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+import test_cli_isolation
 
 from amdxdna_direct import insts
 from amdxdna_direct.cli import main, run_cmd
 from amdxdna_direct.cli.run_cmd import BufferSpec, UsageError
 from amdxdna_direct.emu import EmuDevice
 from amdxdna_direct.xclbin import build_mlir_aie, write
+
+# Every test here runs under the guard: no file of the real system is read (test_cli_isolation).
+no_system_files = test_cli_isolation.no_system_files
+pytestmark = pytest.mark.usefixtures("no_system_files")
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 NPU1_1COL = SHARED / "fixtures/xdna/mlir-aie-npu1_1col"
@@ -81,15 +86,12 @@ def test_gemm_model_equals_numpy(tmp_path, capsys):
 @needs_fixture
 def test_command_error_exits_1(tmp_path, capsys):
     np.save(tmp_path / "in.npy", np.zeros(16, np.int32))
-    emu = EmuDevice("npu1")
-    try:
+    with EmuDevice("npu1") as emu:
         emu.faults.error(insts.encode(insts.load(NPU1_1COL / "insts.bin")))
         args = run_args(tmp_path, device=emu, inputs=[str(tmp_path / "in.npy")], outputs=[str(tmp_path / "out.npy")])
         assert run_cmd.run(args) == 1
-    finally:
-        emu.close()
     err = capsys.readouterr().err
-    assert "ERROR" in err
+    assert err.startswith("amdxdna run: ") and "ERROR" in err
     assert not (tmp_path / "out.npy").exists()
 
 
@@ -106,17 +108,67 @@ def run_args(tmp_path, **overrides) -> argparse.Namespace:
     (["--device", "/dev/accel/accel9", "--model", "passthrough"], "not the emulator"),
     (["--device", "emu:npu1", "--model", "conv"], "unknown model"),
     (["--device", "emu:npu1", "--model", "gemm:1,2"], "gemm:M,K,N"),
+    (["--device", "emu:npu1", "--model", "gemm:0,2,2"], "gemm:M,K,N"),
+    (["--device", "emu:npu9"], "unknown emulator profile 'npu9'"),
     (["--device", "emu:npu1", "--repeat", "0"], "--repeat 0"),
+    (["--device", "emu:npu1", "--timeout", "0"], "--timeout 0.0"),
+    (["--device", "emu:npu1", "--repeat", "two"], "invalid int value: 'two'"),
     (["--device", "emu:npu1", "--out", "0=x.npy", "--out", "2=y.npy"], "--out-size"),
-    (["--device", "emu:npu1", "--kernel", "NOPE", "--in", "IN", "--out", "OUT"], "'NOPE'"),
+    (["--device", "emu:npu1", "--in", "IN", "--out", "OUT", "--out-size", "6", "--out-dtype", "int32"],
+     "--out-size 6: not a whole number of int32 elements"),
+    (["--device", "emu:npu1", "--in", "IN", "--out", "OUT", "--out-dtype", "float128x"], "not a numpy or ml_dtypes"),
+    (["--device", "emu:npu1", "--in", "IN", "--in", "IN", "--in", "IN"], "name the slot of the extra ones"),
+    (["--device", "emu:npu1", "--in=-3=IN"], "slot must be a non-negative integer"),
+    (["--device", "emu:npu1", "--kernel", "NOPE", "--in", "IN", "--out", "OUT"],
+     "--kernel 'NOPE': EMBEDDED_METADATA: no kernel 'NOPE' (kernels: MLIR_AIE)"),  # main_kernels.json
 ])
 def test_usage_errors_exit_2(tmp_path, capsys, argv_tail, message):
     np.save(tmp_path / "in.npy", np.zeros(16, np.int32))
-    argv_tail = [str(tmp_path / "in.npy") if t == "IN" else str(tmp_path / "out.npy") if t == "OUT" else t
-                 for t in argv_tail]
+    argv_tail = [t.replace("IN", str(tmp_path / "in.npy")).replace("OUT", str(tmp_path / "out.npy")) for t in argv_tail]
     rc = main(["run", "--xclbin", str(NPU1_1COL / "aie.xclbin"), "--insts", str(NPU1_1COL / "insts.bin"), *argv_tail])
     assert rc == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "out.npy").exists()
+
+
+def write_bad_files(tmp_path: Path) -> dict[str, str]:
+    """Malformed and missing inputs: a truncated axlf, a stream whose length is not whole words, a non-.npy."""
+    (tmp_path / "bad.xclbin").write_bytes(b"xclbin2\0" + bytes(8))
+    (tmp_path / "bad.bin").write_bytes(b"\x00\x01\x03")
+    (tmp_path / "bad.npy").write_bytes(b"this is not numpy")
+    np.save(tmp_path / "in.npy", np.zeros(16, np.int32))
+    names = ("bad.xclbin", "bad.bin", "bad.npy", "in.npy", "missing.xclbin", "missing.npy")
+    return {name: str(tmp_path / name) for name in names}
+
+
+@needs_fixture
+@pytest.mark.parametrize("option, file, message", [
+    ("--xclbin", "bad.xclbin", "axlf header"),
+    ("--xclbin", "missing.xclbin", "ENOENT (No such file or directory)"),
+    ("--insts", "bad.bin", "not a multiple of 4"),
+    ("--in", "bad.npy", "not a .npy file (it does not start with b'\\x93NUMPY')"),
+    ("--in", "missing.npy", "ENOENT (No such file or directory)"),
+])
+def test_unreadable_or_malformed_input_files_exit_1(tmp_path, capsys, option, file, message):
+    files = write_bad_files(tmp_path)
+    argv = {"--xclbin": str(NPU1_1COL / "aie.xclbin"), "--insts": str(NPU1_1COL / "insts.bin"), "--in": files["in.npy"]}
+    argv[option] = files[file]
+    rc = main(["run", "--device", "emu:npu1", "--model", "passthrough", *(x for kv in argv.items() for x in kv),
+               "--out", str(tmp_path / "out.npy")])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert err.startswith(f"amdxdna run: {option} {files[file]}: ") and message in err
+    assert not (tmp_path / "out.npy").exists()
+
+
+@needs_fixture
+def test_unwritable_output_exits_1(tmp_path, capsys):
+    np.save(tmp_path / "in.npy", np.zeros(16, np.int32))
+    out = tmp_path / "no-such-dir" / "out.npy"
+    rc = main(["run", "--device", "emu:npu1", "--model", "passthrough", "--xclbin", str(NPU1_1COL / "aie.xclbin"),
+               "--insts", str(NPU1_1COL / "insts.bin"), "--in", str(tmp_path / "in.npy"), "--out", str(out)])
+    assert rc == 1
+    assert capsys.readouterr().err == f"amdxdna run: --out {out}: ENOENT (No such file or directory)\n"
 
 
 def test_assign_slots_follows_the_patched_slots():
@@ -131,6 +183,9 @@ def test_assign_slots_follows_the_patched_slots():
         run_cmd.assign_slots([a], [0, 2])
     with pytest.raises(UsageError, match="two buffers on slot 0"):
         run_cmd.assign_slots([explicit, BufferSpec(Path("y"), 0, "in")], [0, 2])
+    with pytest.raises(UsageError, match=r"--out 1=x: the instruction stream patches slots \[0, 2\] only"):
+        run_cmd.assign_slots([a, BufferSpec(Path("x"), 1, "out")], [0, 2])
+    assert run_cmd.assign_slots([BufferSpec(Path("x"), 4, "out")], []) == {4: BufferSpec(Path("x"), 4, "out")}
 
 
 def test_parse_buffer_and_model():

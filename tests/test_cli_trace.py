@@ -8,19 +8,29 @@ CREATE_BO + GET_BO_INFO per buffer, GEM_CLOSE at close), the errno of a GEM_CLOS
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import test_cli_isolation
 
 from amdxdna_direct.cli import main
-from amdxdna_direct.cli.trace_cmd import TraceRecord, parse_fields, parse_line, summarise
+from amdxdna_direct.cli.trace_cmd import TRACE_PREFIX, TraceRecord, parse_fields, parse_line, summarise
+
+# Every test here runs under the guard: no file of the real system is read (test_cli_isolation).
+no_system_files = test_cli_isolation.no_system_files
+pytestmark = pytest.mark.usefixtures("no_system_files")
+
+REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import sys
     from amdxdna_direct import abi, errors, open_device
 
-    with open_device("emu:npu1") as dev:
+    with open_device() as dev:  # the device amdxdna trace --device exports as AMDXDNA_DEVICE
         bo = dev.bo(8192)
         print("script stdout")
         print("script stderr", file=sys.stderr)
@@ -38,7 +48,8 @@ def traced(tmp_path_factory):
     """Run the script once under ``amdxdna trace --json -o FILE``; return (exit code, document)."""
     tmp = tmp_path_factory.mktemp("trace")
     (tmp / "script.py").write_text(SCRIPT)
-    rc = main(["trace", "--json", "-o", str(tmp / "trace.json"), "--", sys.executable, str(tmp / "script.py")])
+    rc = main(["trace", "--device", "emu:npu1", "--json", "-o", str(tmp / "trace.json"), "--", sys.executable,
+               str(tmp / "script.py")])
     return rc, json.loads((tmp / "trace.json").read_text())
 
 
@@ -73,13 +84,11 @@ def test_summary_counts_every_record(traced):
 
 def test_text_log_and_passthrough(tmp_path, capfd):
     (tmp_path / "script.py").write_text(SCRIPT)
-    rc = main(["trace", "--", sys.executable, str(tmp_path / "script.py")])
+    rc = main(["trace", "--device", "emu:npu1", "--", sys.executable, str(tmp_path / "script.py")])
     out, err = capfd.readouterr()
     assert rc == 3
     assert "script stdout" in out
-    assert "script stderr" in err
-    assert "amdxdna-trace" not in err  # trace lines are taken out of the program's stderr
-    assert "ioctl summary for pid" not in err
+    assert err == "script stderr\n"  # trace lines and the per-process summary table are taken out of stderr
     assert "emu:npu1 GEM_CLOSE(handle=77, pad=0) -> EINVAL (Invalid argument)" in out
     assert "exited with status 3" in out
     table = out[out.index("ioctl "):].splitlines()
@@ -107,12 +116,33 @@ def test_parse_line_success_and_failure():
 
 
 def test_output_file_that_cannot_be_written(tmp_path, capsys):
-    rc = main(["trace", "-o", str(tmp_path / "missing-dir" / "t.txt"), "--", sys.executable, "-c", "pass"])
-    assert rc == 2
-    assert "cannot write" in capsys.readouterr().err
+    out = tmp_path / "missing-dir" / "t.txt"
+    rc = main(["trace", "-o", str(out), "--", sys.executable, "-c", "raise SystemExit(5)"])
+    assert rc == 1  # a file that cannot be written is a failure (1), as in every amdxdna command; 5 never ran
+    assert capsys.readouterr().err == f"amdxdna trace: -o {out}: cannot write: ENOENT (No such file or directory)\n"
 
 
-def test_signal_exit_status(tmp_path):
-    script = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
-    assert main(["trace", "--no-log", "-o", str(tmp_path / "t.txt"), "--", sys.executable, "-c", script]) == 128 + 15
-    assert "was killed by signal 15" in (tmp_path / "t.txt").read_text()
+def test_unknown_emulator_profile_is_a_usage_error(capsys):
+    assert main(["trace", "--device", "emu:npu9", "--", sys.executable, "-c", "pass"]) == 2
+    assert "argument --device: 'emu:npu9': unknown emulator profile" in capsys.readouterr().err
+
+
+def test_environment_trace_lines_are_what_the_command_decodes(tmp_path):
+    # AMDXDNA_TRACE=1 alone: the program's stderr carries the lines amdxdna trace parses (the format contract).
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = dict(os.environ, AMDXDNA_TRACE="1", AMDXDNA_DEVICE="emu:npu1", PYTHONPATH=str(REPO))
+    child = subprocess.Popen([sys.executable, str(tmp_path / "script.py")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == 3
+    lines = stderr.splitlines()
+    traced = [line.removeprefix(TRACE_PREFIX) for line in lines if line.startswith(TRACE_PREFIX)]
+    assert traced[-1] == f"ioctl summary for pid {child.pid}:"
+    records = [parse_line(text) for text in traced[:-1]]
+    assert None not in records  # every other trace line is a record the command decodes
+    failed = [(r.name, r.fields["handle"], r.error.split()[0]) for r in records if r.error]
+    assert failed == [("GEM_CLOSE", 77, "EINVAL")]
+    expected = summarise(records)
+    table = lines[lines.index(TRACE_PREFIX + traced[-1]) + 2:]  # after the header line and the column titles
+    assert [row.split()[:3] for row in table] == [[name, str(row["count"]), str(row["errors"])]
+                                                  for name, row in expected.items()]

@@ -13,7 +13,21 @@ import errno
 
 import numpy as np
 import pytest
-from emu_raw import BO_DEV, BO_DEV_HEAP, HEAP_BASE, INVALID_ADDR, PAGE, Raw, pack, read_addr, request, write_addr
+from emu_raw import (
+    BO_DEV,
+    BO_DEV_HEAP,
+    HEAP_BASE,
+    INVALID_ADDR,
+    PAGE,
+    ZERO_LIVE,
+    Raw,
+    emu_device,
+    errno_of,
+    pack,
+    read_addr,
+    request,
+    write_addr,
+)
 
 from amdxdna_direct import Xclbin, cmd, open_device
 from amdxdna_direct.emu import DeviceFault, EmuDevice, Passthrough
@@ -22,21 +36,12 @@ from amdxdna_direct.errors import XdnaError
 KIB = 1 << 10
 MIB = 1 << 20
 CHUNK = 64 * MIB                    # AIE2_DEVM_SIZE: the unit of heap sizes (spec 4.4 staging)
-ALL_ZERO = {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
-
-
-def errno_of(fn, *args, **kwargs) -> int:
-    """The errno of the OSError `fn` raises."""
-    with pytest.raises(OSError) as caught:
-        fn(*args, **kwargs)
-    return caught.value.errno
 
 
 @pytest.fixture
 def emu():
-    device = EmuDevice("npu4", expandable_heap=True)
-    yield device
-    device.close()
+    with emu_device("npu4", expandable_heap=True) as device:    # whatever a test leaves, close must release
+        yield device
 
 
 @pytest.fixture
@@ -73,27 +78,21 @@ def test_chunks_append_up_to_dev_heap_max_size_then_enospc(raw):
 
 
 def test_npu1_window_is_one_chunk():
-    device = EmuDevice("npu1", expandable_heap=True)
-    try:
+    with emu_device("npu1", expandable_heap=True) as device:
         raw = Raw(device.open())
         assert errno_of(raw.create_bo, 2 * CHUNK, BO_DEV_HEAP) == errno.ENOSPC
         raw.create_bo(CHUNK, BO_DEV_HEAP)
         assert errno_of(raw.create_bo, CHUNK, BO_DEV_HEAP) == errno.ENOSPC
         assert errno_of(raw.create_bo, CHUNK + PAGE, BO_DEV) == errno.EINVAL  # beyond dev_heap_max_size
-    finally:
-        device.close()
 
 
 def test_default_profile_keeps_the_7_0_rules():
-    device = EmuDevice("npu4")
-    try:
+    with emu_device("npu4") as device:
         raw = Raw(device.open())
         assert errno_of(raw.create_bo, PAGE, BO_DEV) == errno.EINVAL         # no heap: EINVAL, not EAGAIN
         raw.heap(32 * MIB)                                                   # 7.0 takes any size <= 64 MiB
         assert errno_of(raw.create_bo, CHUNK, BO_DEV_HEAP) == errno.EBUSY
         assert errno_of(raw.create_bo, 32 * MIB + PAGE, BO_DEV) == errno.EINVAL
-    finally:
-        device.close()
 
 
 # ---------------------------------------------------------------------------------------------- DEV BOs
@@ -158,7 +157,7 @@ def test_dev_bo_across_chunks_is_one_range_for_host_and_device(emu, raw):
     assert [c.refs for c in chunks] == [before[0] - 1, before[1] - 1]
     raw.seam.munmap(base, 2 * CHUNK)
     raw.seam.close()
-    assert emu.counters.live() == ALL_ZERO
+    assert emu.counters.live() == ZERO_LIVE
 
 
 def test_contexts_take_their_buffers_from_the_chunks(emu, raw):
@@ -171,7 +170,7 @@ def test_contexts_take_their_buffers_from_the_chunks(emu, raw):
     raw.create_hwctx()
     assert emu.counters.live()["hwctx"] == 2
     raw.seam.close()
-    assert emu.counters.live() == ALL_ZERO
+    assert emu.counters.live() == ZERO_LIVE
 
 
 def test_heap_chunks_are_not_exported(raw):
@@ -208,7 +207,7 @@ def test_runtime_grows_the_heap_on_eagain():
         assert emu.counters.live()["bos"] == 5
     finally:
         dev.close()
-    assert emu.counters.live() == ALL_ZERO
+    assert emu.counters.live() == ZERO_LIVE
     emu.close()
 
 
@@ -234,7 +233,24 @@ def test_runtime_runs_instructions_from_a_grown_chunk(npu1_fixture):
         ctx.close()
     finally:
         dev.close()
-    assert emu.counters.live() == ALL_ZERO
+    assert emu.counters.live() == ZERO_LIVE
+    emu.close()
+
+
+def test_runtime_grows_the_heap_when_a_context_finds_it_short(npu1_fixture):
+    # A context takes 4 x 32 KiB of heap (spec 4.1); with chunk 0 full the driver answers EAGAIN and the
+    # runtime grows the heap, as it does for a DEV BO.
+    emu = EmuDevice("npu4", expandable_heap=True)
+    dev = open_device(emu)
+    try:
+        filler = dev.bo(CHUNK - 64 * KIB, kind="dev")       # room for the PDI, not for the 4 command lists
+        ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+        assert len(dev.heap) == 2 and ctx.handle >= 1 and not filler.closed
+        assert emu.counters.ioctls["CREATE_HWCTX"] == 2     # EAGAIN, then success after the new chunk
+        ctx.close()
+    finally:
+        dev.close()
+    assert emu.counters.live() == ZERO_LIVE
     emu.close()
 
 
@@ -249,5 +265,5 @@ def test_runtime_stops_at_the_driver_limit():
         assert len(dev.heap) == 1 and not kept.closed
     finally:
         dev.close()
-    assert emu.counters.live() == ALL_ZERO
+    assert emu.counters.live() == ZERO_LIVE
     emu.close()

@@ -28,9 +28,13 @@ from emu_raw import (
     IOWR,
     PAGE,
     WAIT_FOR_SUBMIT,
+    Gate,
     Raw,
     UserMem,
     call,
+    check_released,
+    emu_device,
+    errno_of,
     ioc,
     monotonic_ns,
     pack,
@@ -56,18 +60,10 @@ ERT_STATE_NEW, ERT_STATE_COMPLETED, ERT_STATE_ABORT = 1, 4, 6
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-def errno_of(fn, *args, **kwargs) -> int:
-    """The errno of the OSError `fn` raises."""
-    with pytest.raises(OSError) as caught:
-        fn(*args, **kwargs)
-    return caught.value.errno
-
-
 @pytest.fixture
 def dev():
-    device = EmuDevice("npu4", tdr_timeout=5.0)
-    yield device
-    device.close()
+    with emu_device("npu4", tdr_timeout=5.0) as device:     # whatever a test leaves, close must release
+        yield device
 
 
 @pytest.fixture
@@ -122,21 +118,6 @@ def state_of(addr: int) -> int:
     return struct.unpack("<I", read_addr(addr, 4))[0] & 0xF
 
 
-class Gate:
-    """A model that blocks until released, then copies arg 0 into the highest arg (a held-open job)."""
-
-    name = "gate"
-
-    def __init__(self):
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, args) -> None:
-        self.entered.set()
-        self.release.wait(10)
-        Passthrough()(args)
-
-
 class Npu1Job:
     """The real mlir-aie npu1_1col stream set up on an npu1 fd: heap, context, PDI, instructions, data."""
 
@@ -176,17 +157,11 @@ def test_rule_D1(raw):
 def test_rule_D2(raw):
     assert errno_of(raw.seam.ioctl, ioc(IOWR, 0x60, 16), bytearray(16)) == errno.EINVAL     # beyond the table
     assert errno_of(raw.seam.ioctl, ioc(IOWR, 0x55, 16), bytearray(16)) == errno.EINVAL     # core nr not modelled
-    old = EmuDevice("npu4", drm_minor=6)     # 6.18-7.0: slot 9 is an empty slot
-    try:
+    with emu_device("npu4", drm_minor=6) as old:     # 6.18-7.0: slot 9 is an empty slot
         seam = old.open()
         assert errno_of(seam.ioctl, request("WAIT_CMD"), pack("wait_cmd", 1, 0, 0)) == errno.EINVAL
-        first = EmuDevice("npu4", drm_minor=0)   # 6.14: no GET_ARRAY at nr 0x4A
-        try:
+        with emu_device("npu4", drm_minor=0) as first:   # 6.14: no GET_ARRAY at nr 0x4A
             assert errno_of(first.open().ioctl, request("GET_ARRAY"), pack("get_array", 0, 8, 1, 0, 0)) == errno.EINVAL
-        finally:
-            first.close()
-    finally:
-        old.close()
 
 
 def test_rule_D3(raw):
@@ -212,15 +187,12 @@ def test_rule_D3(raw):
 def test_rule_D4():
     payload = struct.pack("<B7x", 0)
     for admin, expected in ((False, errno.EACCES), (True, None)):
-        device = EmuDevice("npu4", cap_sys_admin=admin)
-        try:
+        with emu_device("npu4", cap_sys_admin=admin) as device:
             raw = Raw(device.open())
             if expected is None:
                 set_state(raw, 0, payload)
             else:
                 assert errno_of(set_state, raw, 0, payload) == expected
-        finally:
-            device.close()
 
 
 def test_rule_D5(dev, raw):
@@ -244,16 +216,12 @@ def test_rule_D6(dev, raw):
     assert desc.read(0, values[7]) == b"AMD XDNA DRM implementation"
     # Lengths only (NULL buffers): the full lengths come back, nothing is written.
     assert call(raw.seam, "VERSION", 0, 0, 0, 0, 0, 0, 0, 0, 0)[3::2] == (20, 1, 27)
-    old = EmuDevice("npu1", drm_minor=6)
-    try:
+    with emu_device("npu1", drm_minor=6) as old:
         assert call(old.open(), "VERSION", 0, 0, 0, 0, 0, 0, 0, 0, 0)[1] == 6
-    finally:
-        old.close()
 
 
 def test_rule_D7():
-    dev = EmuDevice("npu1", tdr_timeout=10.0)
-    try:
+    with emu_device("npu1", tdr_timeout=10.0) as dev:
         raw = Raw(dev.open())
         assert errno_of(raw.gem_close, 77) == errno.EINVAL
         gate = Gate()
@@ -269,9 +237,6 @@ def test_rule_D7():
         assert state_of(cmd_addr) == ERT_STATE_COMPLETED
         # Written through the kept BO: the fixture's shim BD moves 16 words (64 bytes).
         assert read_addr(job.dst_addr, PAGE) == bytes(range(64)) + bytes(PAGE - 64)
-    finally:
-        dev.close()
-    assert dev.counters.live() == {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
 
 
 def test_rule_D8(raw):
@@ -318,8 +283,7 @@ def test_rule_D8(raw):
 
 
 def test_rule_D8_point_zero_waits_for_latest():
-    dev = EmuDevice("npu1", tdr_timeout=10.0)
-    try:
+    with emu_device("npu1", tdr_timeout=10.0) as dev:
         raw = Raw(dev.open())
         gate = Gate()
         job = Npu1Job(dev, raw, gate)
@@ -335,8 +299,6 @@ def test_rule_D8_point_zero_waits_for_latest():
         gate.release.set()
         timeline_wait(raw, job.syncobj, 0, monotonic_ns() + 5 * 10**9)
         assert raw.query(job.syncobj) == second == 1
-    finally:
-        dev.close()
 
 
 # ---------------------------------------------------------------------------------------------- H: contexts
@@ -391,8 +353,7 @@ def test_rule_H5(raw):
 
 
 def test_rule_H6():
-    dev = EmuDevice("npu1")
-    try:
+    with emu_device("npu1") as dev:
         raw = Raw(dev.open())
         with_heap(raw)
         a, _ = raw.create_hwctx(8)
@@ -401,30 +362,21 @@ def test_rule_H6():
         c, _ = raw.create_hwctx(8)                                # shares the first 2-column partition
         placed = {ctx: (start, cols) for ctx, start, cols, *_ in hw_contexts(raw)}
         assert placed == {a: (1, 2), b: (3, 2), c: (1, 2)}
-    finally:
-        dev.close()
-    full = EmuDevice("npu1")
-    try:
+    with emu_device("npu1") as full:
         raw = Raw(full.open())
         with_heap(raw)
         raw.create_hwctx(4 * 5)
         assert hw_contexts(raw)[0][1:3] == (0, 5)                 # only a full partition uses column 0
-    finally:
-        full.close()
-    aligned = EmuDevice("npu6")
-    try:
+    with emu_device("npu6") as aligned:
         raw = Raw(aligned.open())
         with_heap(raw)
         for tiles in (4, 8, 16, 4):
             raw.create_hwctx(tiles)
         assert [entry[1:3] for entry in hw_contexts(raw)] == [(0, 1), (2, 2), (4, 4), (1, 1)]
-    finally:
-        aligned.close()
 
 
 def test_rule_H7(caplog):
-    dev = EmuDevice("npu1")
-    try:
+    with emu_device("npu1") as dev:
         raw = Raw(dev.open())
         with_heap(raw)
         for _ in range(PROFILES["npu1"].hwctx_limit):
@@ -436,10 +388,7 @@ def test_rule_H7(caplog):
         other = Raw(dev.open())
         with_heap(other)
         assert errno_of(other.create_hwctx, 4) == errno.EINVAL
-    finally:
-        dev.close()
-    capped = EmuDevice("npu4")
-    try:
+    with emu_device("npu4") as capped:
         raw = Raw(capped.open())
         with_heap(raw)
         capped.faults.cap_contexts(1)
@@ -449,8 +398,12 @@ def test_rule_H7(caplog):
         capped.faults.cap_contexts(16)
         assert errno_of(raw.create_hwctx) == errno.ENODEV
         raw.create_hwctx()
-    finally:
-        capped.close()
+        for bad in (-1, 2.5, None):
+            with pytest.raises(ValueError, match="cap_contexts"):
+                capped.faults.cap_contexts(bad)
+        for bad in (0, 100000, "ENODEV"):
+            with pytest.raises(ValueError, match="not an errno number"):
+                capped.faults.fail_next_create_hwctx(bad)
 
 
 def test_rule_H8(raw):
@@ -487,20 +440,25 @@ def test_rule_H10(raw):
 
 
 def test_rule_H10_in_flight_jobs_abort():
-    dev = EmuDevice("npu1", tdr_timeout=30.0)
-    try:
+    with emu_device("npu1", tdr_timeout=30.0) as dev:
         raw = Raw(dev.open())
         job = Npu1Job(dev, raw, Passthrough())
-        dev.faults.hang(job.insts)
-        seq, cmd_addr = job.submit()
+        dev.faults.hang(job.insts)                # the first run hangs, the second queues behind it
+        (_, hung_addr), (last, queued_addr) = job.submit(), job.submit()
+        destroy = threading.Thread(target=raw.destroy_hwctx, args=(job.ctx,))
         start = time.monotonic()
-        raw.destroy_hwctx(job.ctx)                # waits up to 2 s for the job, then aborts it
-        assert 1.5 <= time.monotonic() - start < 10
-        assert state_of(cmd_addr) == ERT_STATE_ABORT
-        timeline_wait(raw, job.syncobj, seq, monotonic_ns())       # its point is signalled
-        assert raw.query(job.syncobj) == seq                        # and the syncobj is still there
-    finally:
-        dev.close()
+        destroy.start()
+        time.sleep(0.1)
+        # DESTROY_HWCTX waits (2 s, spec 4.2) without holding the driver: other ioctls go through meanwhile.
+        raw.gem_close(raw.create_bo(PAGE, BO_SHMEM))
+        assert raw.query(job.syncobj) == 0 and time.monotonic() - start < 1.0 and destroy.is_alive()
+        destroy.join(10)
+        assert 1.9 <= time.monotonic() - start < 3.5
+        assert state_of(hung_addr) == state_of(queued_addr) == ERT_STATE_ABORT
+        assert read_addr(queued_addr + 4, 64) == b"\xff" * 64                # ABORT fills the payload (rule E12)
+        timeline_wait(raw, job.syncobj, last, monotonic_ns())       # every point is signalled
+        assert raw.query(job.syncobj) == last == 1                  # and the syncobj is still there
+        assert errno_of(raw.destroy_hwctx, job.ctx) == errno.EINVAL
 
 
 def test_rule_H11(raw):
@@ -588,6 +546,14 @@ def test_rule_B2(raw):
     assert raw.bo_info(handle).vaddr == first                    # vaddr is the first mapping
 
 
+def test_create_bo_without_backing_store_leaks_nothing(dev, raw):
+    fds = len(os.listdir("/proc/self/fd"))
+    live = dev.counters.live()
+    assert errno_of(raw.create_bo, 1 << 50, BO_SHMEM) == errno.ENOMEM      # 1 PiB: no address space for it
+    assert len(os.listdir("/proc/self/fd")) == fds and dev.counters.live() == live
+    assert raw.create_bo(PAGE, BO_SHMEM) == 1                                 # no handle was taken either
+
+
 def test_rule_B3(raw):
     assert errno_of(raw.create_bo, 64 * MIB + PAGE, BO_DEV_HEAP) == errno.EINVAL
     heap = raw.create_bo(64 * MIB, BO_DEV_HEAP)
@@ -637,12 +603,9 @@ def test_rule_B7(raw):
     assert errno_of(call, raw.seam, "SYNC_BO", 42, 0, 0, PAGE) == errno.ENOENT
     call(raw.seam, "SYNC_BO", handle, 0, PAGE, PAGE)
     assert errno_of(call, raw.seam, "SYNC_BO", handle, 1, 0, PAGE) == errno.EINVAL
-    old = EmuDevice("npu4", drm_minor=2)          # before 0.3 the direction is ignored
-    try:
+    with emu_device("npu4", drm_minor=2) as old:          # before 0.3 the direction is ignored
         older = Raw(old.open())
         call(older.seam, "SYNC_BO", older.create_bo(PAGE, BO_SHMEM), 1, 0, PAGE)
-    finally:
-        old.close()
 
 
 def test_rule_B8(dev, raw):
@@ -701,12 +664,9 @@ def test_rule_I3(dev, raw):
     resources = struct.unpack("<5Q", raw.get_info(QUERY_RESOURCE_INFO, 40)[0])
     assert resources[2] == 16 and resources[4] == 1
     assert errno_of(raw.get_info, QUERY_SENSORS, 168) == errno.EOPNOTSUPP
-    npu1 = EmuDevice("npu1")
-    try:
+    with emu_device("npu1") as npu1:
         meta, _ = Raw(npu1.open()).get_info(QUERY_AIE_METADATA, 64)
         assert struct.unpack_from("<HH", meta, 4) == (5, 6)
-    finally:
-        npu1.close()
 
 
 def test_rule_I4(raw):
@@ -729,6 +689,11 @@ def test_rule_I5(raw):
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 200, 8)
     assert (size, count) == (HWCTX_ENTRY_SIZE, 3)
     assert [struct.unpack_from("<I", data, i * size)[0] for i in range(3)] == handles
+    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, spec 2.5): columns 0..0, pid, the 4 x 4 KiB command-list
+    # BOs as heap usage, priority HIGH for a zero QoS, state ACTIVE, the process's PASID.
+    first = struct.unpack_from("<IIIIqQQQQQQQQII", data)
+    assert first[1:3] == (0, 1) and first[4] == os.getpid() and first[10:12] == (0x180, 4 * PAGE)
+    assert first[13:] == (1, 1)
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 8, 2)
     assert (size, count) == (8, 2) and struct.unpack_from("<4I", data) == (1, 0, 2, 1)
     assert get_array(raw, HW_LAST_ASYNC_ERR, 8, 4)[1:] == (24, 1)
@@ -745,11 +710,18 @@ def test_rule_I6(raw):
     assert errno_of(mode, 5) == errno.EINVAL
     for low in (1, 2):
         assert errno_of(mode, low) == errno.EOPNOTSUPP
+    def clocks() -> tuple[int, int]:
+        data, _ = raw.get_info(QUERY_CLOCK_METADATA, 48)
+        return struct.unpack_from("<I", data, 16)[0], struct.unpack_from("<I", data, 40)[0]
+
+    levels = PROFILES["npu4"].dpm_clocks
+    assert clocks() == levels[0]                                   # DEFAULT: the lowest DPM level
     with_heap(raw)
     ctx, _ = raw.create_hwctx()
     assert errno_of(mode, 4) == errno.EINVAL
     mode(3)
     assert raw.get_info(GET_POWER_MODE, 8)[0][0] == 3
+    assert clocks() == levels[-1]                                  # HIGH: the top level (spec 10)
     raw.destroy_hwctx(ctx)
     mode(4)
     assert raw.get_info(GET_POWER_MODE, 8)[0][0] == 4
@@ -760,14 +732,14 @@ def test_rule_I6(raw):
 def test_counters_back_to_zero_after_error_paths():
     dev = EmuDevice("npu4")
     raw = Raw(dev.open())
-    errno_of(raw.create_hwctx)                                 # no heap
+    assert errno_of(raw.create_hwctx) == errno.ENOENT          # no heap
     with_heap(raw, 4 * 32 * KIB + 32 * KIB)
     ctx, sync = raw.create_hwctx()
-    errno_of(raw.create_hwctx)                                 # ENOSPC after taking nothing
+    assert errno_of(raw.create_hwctx) == errno.ENOSPC          # after taking nothing
     shmem, _ = raw.shmem(2 * PAGE)
-    errno_of(raw.exec_cmd, ctx, shmem, [])                     # not a CMD BO
+    assert errno_of(raw.exec_cmd, ctx, shmem, []) == errno.EINVAL       # not a CMD BO
     cmd, _ = cmd_bo(raw, bytes(16))
-    errno_of(raw.exec_cmd, ctx, cmd, [shmem, 1234])            # unknown arg
+    assert errno_of(raw.exec_cmd, ctx, cmd, [shmem, 1234]) == errno.ENOENT     # unknown arg
     raw.timeline_wait(sync, raw.exec_cmd(ctx, cmd, [shmem]))
     dev_bo, _ = raw.dev_bo(PAGE)
     raw.config_cu(ctx, [(dev_bo, 0)])
@@ -778,20 +750,15 @@ def test_counters_back_to_zero_after_error_paths():
     assert dev.counters.bytes_mapped == 5 * 32 * KIB + 2 * PAGE + PAGE
     assert dev.counters.ioctls["CREATE_HWCTX"] == 3 and dev.counters.ioctls["EXEC_CMD"] == 3
     raw.seam.close()                                            # the user never unmapped or closed anything
-    assert dev.counters.live() == {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
-    assert dev.counters.bytes_mapped == 0
+    check_released(dev)
     dev.close()
 
 
 def test_wait_cmd_upstream_and_out_of_tree():
-    upstream = EmuDevice("npu4")
-    try:
+    with emu_device("npu4") as upstream:
         raw = Raw(upstream.open())
         assert errno_of(call, raw.seam, "WAIT_CMD", 1, 0, 0) == errno.EOPNOTSUPP
-    finally:
-        upstream.close()
-    oot = EmuDevice("npu4", wait_cmd=True)
-    try:
+    with emu_device("npu4", wait_cmd=True) as oot:
         raw = Raw(oot.open())
         with_heap(raw)
         ctx, _ = raw.create_hwctx()
@@ -800,8 +767,6 @@ def test_wait_cmd_upstream_and_out_of_tree():
         assert errno_of(raw.seam.ioctl, wait_iowr, pack("wait_cmd", ctx, 0, 0)) == errno.EINVAL    # seq
         seq = raw.exec_cmd(ctx, cmd_bo(raw, bytes(16))[0], [])
         raw.seam.ioctl(wait_iowr, pack("wait_cmd", ctx, 1000, seq))
-    finally:
-        oot.close()
 
 
 def test_prime_export_import_shares_the_bo(dev, raw):
@@ -860,18 +825,72 @@ def test_profiles_and_options():
         EmuDevice("npu9")
 
 
-def test_layouts_match_the_abi_facts():
-    from amdxdna_direct.emu import layouts
+def test_emulator_is_independent_of_the_binding():
+    """The emulator plays the kernel: it must not share the binding's layouts (abi.py, cffi, headers/)."""
+    import ast
 
-    facts = {}
+    import amdxdna_direct.emu as emu
+
+    allowed = {"__future__", "collections", "ctypes", "dataclasses", "errno", "functools", "hashlib", "logging", "math",
+               "mmap", "os", "queue", "re", "struct", "threading", "time", "typing", "numpy", "ml_dtypes"}
+    sources = sorted(Path(emu.__file__).parent.glob("*.py"))
+    assert len(sources) >= 8
+    for source in sources:
+        text = source.read_text()
+        assert "headers" not in text.replace("``headers/``", ""), source.name
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else []
+                assert node.level in (0, 1), f"{source.name}: import from outside the emu package"
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{source.name} imports {name}"
+
+
+def test_rule_table_names_every_rule_and_real_tests():
+    """docs/emulator.md maps each rule of spec/driver-rules.md to its tests: every rule has a row, every
+    test named there exists, and each rule's own test_rule_<N> is among them."""
+    import ast
+    import re
+
+    rules_path = SHARED / "spec" / "driver-rules.md"
+    if not rules_path.is_file():
+        pytest.skip(f"spec absent: {rules_path}")
+    rules = re.findall(r"^- ([DHBEI]\d+) ", rules_path.read_text(), re.M)
+    assert len(rules) == 49
+    tests_dir = Path(__file__).resolve().parent
+    defined = {node.name for path in tests_dir.glob("test_emu_*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    doc = (tests_dir.parent / "docs" / "emulator.md").read_text()
+    rows = dict(re.findall(r"^\| ([DHBEI]\d+) [^|]*\|[^|]*\|([^|]*)\|$", doc, re.M))
+    assert sorted(rows) == sorted(rules)
+    for rule, cell in rows.items():
+        named = set(re.findall(r"`(test_\w+)`", cell))
+        assert f"test_rule_{rule}" in named and named <= defined, (rule, named - defined)
+
+
+def abi_fact_lines() -> list[str]:
+    """The lines of spec/abi-facts-amdxdna.txt and abi-facts-drm.txt (the test is skipped without them)."""
+    lines = []
     for name in ("abi-facts-amdxdna.txt", "abi-facts-drm.txt"):
         path = SHARED / "spec" / name
         if not path.is_file():
             pytest.skip(f"spec absent: {path}")
-        for line in path.read_text().splitlines():
-            if line.startswith("struct ") and " size=" in line:
-                struct_name, size = line[len("struct "):].split(" size=")
-                facts[struct_name] = int(size)
+        lines += path.read_text().splitlines()
+    return lines
+
+
+def test_layouts_match_the_abi_facts():
+    from amdxdna_direct.emu import layouts
+
+    facts = {}
+    for line in abi_fact_lines():
+        if line.startswith("struct ") and " size=" in line:
+            struct_name, size = line[len("struct "):].split(" size=")
+            facts[struct_name] = int(size)
     # The facts hold the staging/OOT 160-byte hwctx_entry and the pre-deadline DRM wait structs; the
     # emulator models the mainline 144-byte entry and the newer wait structs (spec 2.5, 5).
     newer = {"amdxdna_drm_hwctx_entry": 144, "drm_syncobj_wait": 40, "drm_syncobj_timeline_wait": 48}
@@ -884,12 +903,7 @@ def test_layouts_match_the_abi_facts():
 
 
 def test_raw_request_numbers_match_the_abi_facts():
-    facts = {}
-    for name in ("abi-facts-amdxdna.txt", "abi-facts-drm.txt"):
-        path = SHARED / "spec" / name
-        if not path.is_file():
-            pytest.skip(f"spec absent: {path}")
-        facts.update(line.split("=") for line in path.read_text().splitlines() if line.startswith("DRM_IOCTL_"))
+    facts = dict(line.split("=") for line in abi_fact_lines() if line.startswith("DRM_IOCTL_"))
     prefixes = ("DRM_IOCTL_AMDXDNA_", "DRM_IOCTL_")
     checked = 0
     for full, value in facts.items():

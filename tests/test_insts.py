@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from amdxdna_direct import insts
+from amdxdna_direct.cli import insts_cmd
 from amdxdna_direct.insts import BlockWrite, DdrPatch, InstsError, MaskWrite, Stream, Sync, Write32
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -214,6 +216,14 @@ def test_encode_errors(stream, message):
         insts.encode(stream)
 
 
+def test_layout_and_size_of_an_unknown_version_name_the_operation():
+    s = Stream(2, 2, 3, 6, 1, 1, (Write32(0, 0),))
+    with pytest.raises(InstsError, match=r"^layout: TXN version 2\.2 unknown"):
+        insts.layout(s)
+    with pytest.raises(InstsError, match=r"^size_bytes: TXN version 2\.2 unknown"):
+        s.size_bytes  # noqa: B018 - the property raises
+
+
 def test_load_rejects_other_inputs(tmp_path):
     with pytest.raises(TypeError, match="expected bytes or a path"):
         insts.load(1234)
@@ -242,6 +252,8 @@ def _check_only_documented(data: bytes) -> None:
     except InstsError:
         return
     assert insts.encode(s) == data      # whatever decodes, re-encodes to the same bytes
+    json.dumps(insts_cmd.describe(s))    # ... and the CLI can describe and list it
+    insts_cmd.render(s)
 
 
 @pytest.mark.parametrize("rel", ["mlir-aie-npu1_1col/insts.bin", "mlir-aie-npu2_1col/insts.bin"])

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import gc
+import threading
 
 import numpy as np
 import pytest
-from conftest import SYNC_BO, emu_open
+from conftest import SYNC_BO, RecordingSeam, emu_open
 
-from amdxdna_direct import errors
+from amdxdna_direct import Device, errors
+from amdxdna_direct.emu import EmuDevice
 
 
 def test_shmem_view_is_zero_copy_and_counts_copies(device):
@@ -109,3 +112,48 @@ def test_garbage_collection_closes_but_views_keep_the_buffer_alive():
     gc.collect()
     dev.close()
     assert set(emu.counters.live().values()) == {0}
+
+
+class _EagainTogether(RecordingSeam):
+    """Holds every thread that got EAGAIN for a DEV BO until all of them have, so they race to grow."""
+
+    def __init__(self, inner, parties: int) -> None:
+        super().__init__(inner)
+        self.barrier = threading.Barrier(parties)
+
+    def ioctl(self, request: int, buf) -> int:
+        try:
+            return super().ioctl(request, buf)
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN and not self.barrier.broken:
+                self.barrier.wait(10)
+            raise
+
+
+def test_threads_short_of_heap_grow_it_once():
+    # Expandable-heap driver (spec amdxdna-uapi.md 4.4): four threads whose DEV BOs overflow the first
+    # chunk all get EAGAIN together; one chunk is added for all of them, not one each.
+    emu = EmuDevice("npu4", expandable_heap=True)
+    seam = _EagainTogether(emu.open(), 4)
+    dev = Device(seam, emulator=emu)
+    filler = dev.bo(60 << 20, "dev")
+    made, failures = [], []
+
+    def allocate():
+        try:
+            made.append(dev.bo(8 << 20, "dev"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=allocate) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not failures and len(made) == 4 and not seam.barrier.broken
+    assert len(dev.heap) == 2
+    spans = sorted((bo.address, bo.address + bo.size) for bo in [filler, *made])
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))   # disjoint
+    assert spans[-1][1] <= 0x4000000 + 2 * (64 << 20)
+    dev.close()
+    emu.close()

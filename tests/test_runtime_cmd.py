@@ -97,9 +97,11 @@ def test_health_record_decode_and_ff_fill():
 
 
 def test_slot_cost_and_budget():
-    # ROCr: 52 + 4 * arg_cnt per slot in the 4 KiB list (spec 1.7 / 6.5).
-    assert cmd.chain_slot_cost(15) == 112
-    assert cmd.CHAIN_SLOT_BUDGET == 4096 and cmd.CHAIN_MAX_RUNS == 24
+    # ROCr: 52 + 4 * arg_cnt per slot in the 4 KiB list, e.g. 44 commands of arg_cnt 10 (spec 1.7 / 6.5);
+    # the driver takes at most 64 sub-commands per chain (spec 1.7).
+    assert cmd.chain_slot_cost(15) == 112 and cmd.chain_slot_cost(10) == 92
+    assert cmd.CHAIN_SLOT_BUDGET // cmd.chain_slot_cost(10) == 44
+    assert cmd.CHAIN_SLOT_BUDGET == 4096 and cmd.CHAIN_MAX_RUNS == 64
 
 
 @pytest.mark.parametrize("call, message", [

@@ -3,7 +3,12 @@ sequence, failures (ERROR, TDR hang, lost device, context refusal) and concurren
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
+import gc
+import json
+import os
 import struct
 import threading
 import time
@@ -11,25 +16,36 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import CREATE_BO, CREATE_HWCTX, EXEC_CMD, SYNC_BO, TIMELINE_WAIT, emu_open, txn_dev_gen
+from conftest import (
+    CONFIG_HWCTX,
+    CREATE_BO,
+    CREATE_HWCTX,
+    EXEC_CMD,
+    IOCTL_NAMES,
+    SHARED,
+    SYNC_BO,
+    TIMELINE_WAIT,
+    RecordingSeam,
+    emu_open,
+    passthrough_stream,
+    request_of,
+    txn_dev_gen,
+)
 
-from amdxdna_direct import Xclbin, cmd, errors, insts, open_device, xclbin
-from amdxdna_direct.emu import EmuDevice, Gemm, Passthrough
+from amdxdna_direct import Device, RunList, Xclbin, cmd, errors, insts, open_device, xclbin
+from amdxdna_direct.emu import EmuDevice, Gemm
 
 # Hand-decoded from insts.bin (spec 2.3 worked example): BD1 (0x1D020, patched with arg_idx 2, the output)
 # has length word 0x10 = 16 words; BD0 (0x1D000, arg_idx 0, the input) 0x11 = 17 words.
 OUT_BYTES = 16 * 4
 IN_BYTES = 17 * 4
 BF16 = ml_dtypes.bfloat16
+SHARED_FIXTURES = SHARED / "fixtures" / "xdna"
 
 
 def _passthrough(dev, fixture):
     """(ctx, kernel, stream bytes) for the fixture, with the emulator told what the stream computes."""
-    stream = (fixture / "insts.bin").read_bytes()
-    if dev.emulator is not None:
-        dev.emulator.models.bind(stream, Passthrough())
-    elif txn_dev_gen(dev) != 3:
-        pytest.skip("the npu1_1col fixture needs an NPU1 (Phoenix / Hawk Point)")
+    stream = passthrough_stream(dev, fixture)
     ctx = dev.hw_context(Xclbin.load(fixture / "aie.xclbin"))
     return ctx, ctx.kernel(), stream
 
@@ -61,7 +77,12 @@ def test_fixture_passthrough_returns_the_data(device, npu1_fixture):
 def test_exact_ioctl_sequence_of_one_passthrough_run(npu1_fixture):
     """The XRT sequence of spec xrt-npu-sequence.md section 0, call for call, and its key field values."""
     dev, emu, seam = emu_open("npu1")
+    config_cu = []
+    seam.inject[request_of(0x42)] = lambda buf: config_cu.append(
+        ctypes.string_at(CONFIG_HWCTX.unpack_from(buf)[2], CONFIG_HWCTX.unpack_from(buf)[3]))
     ctx, kernel, stream = _passthrough(dev, npu1_fixture)
+    pdi = ctx.cus[0].pdi
+    pdi_head = pdi.read(16)
     a, b, c, _ = _buffers(dev)
     run = kernel.prepare_npu(stream, [a, b, c])
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
@@ -72,7 +93,7 @@ def test_exact_ioctl_sequence_of_one_passthrough_run(npu1_fixture):
     dev.close()
     shmem = ["CREATE_BO", "GET_BO_INFO", "mmap", "SYNC_BO"]        # step 8 + initial flush
     expected = (["VERSION",
-                 "reserve", "CREATE_BO", "GET_BO_INFO", "mmap",      # step 2: the heap
+                 "CREATE_BO", "GET_BO_INFO", "reserve", "mmap",      # step 2: the heap
                  "GET_INFO", "CREATE_HWCTX",                         # step 4
                  "CREATE_BO", "GET_BO_INFO", "SYNC_BO", "CONFIG_HWCTX"]  # step 5: PDI DEV BO + CONFIG_CU
                 + shmem * 3 + ["SYNC_BO", "SYNC_BO"]                 # a, b, c; flush a and c after filling
@@ -95,7 +116,14 @@ def test_exact_ioctl_sequence_of_one_passthrough_run(npu1_fixture):
     assert reserve[2] == 64 << 20 and heap_map[3] == reserve[3] and heap_map[3] % (64 << 20) == 0
     hwctx = CREATE_HWCTX.unpack_from(by_name["CREATE_HWCTX"][0])
     assert hwctx[0] == hwctx[1] == 0 and hwctx[2] != 0                       # ext, ext_flags, qos_p
-    assert (hwctx[5], hwctx[6]) == (2048, 4)                                 # max_opc, num_tiles = 1 col x 4
+    # max_opc and column_width from the JSON the fixture xclbin was built from; core rows 4 (spec 8)
+    partition = json.loads((npu1_fixture / "main_aie_partition.json").read_text())["aie_partition"]
+    assert (hwctx[5], hwctx[6]) == (int(partition["operations_per_cycle"]), 4 * partition["partition"]["column_width"])
+    # CONFIG_CU (spec 2.1): num_cus 1, pad 0; cu_bo = the PDI DEV BO (2nd CREATE_BO), cu_func 0, pad 0
+    pdi_create = CREATE_BO.unpack_from(by_name["CREATE_BO"][1])
+    assert pdi_create[3] == 3 and pdi_create[2] == 2640                       # DEV, the 2640-byte PDI (spec 3.8)
+    assert struct.unpack("<HHHHIB3s", config_cu[0]) == (1, 0, 0, 0, pdi.handle, 0, bytes(3))
+    assert pdi_head == bytes.fromhex("DD000000 44332211 88776655 CCBBAA99".replace(" ", ""))
     exe = EXEC_CMD.unpack_from(by_name["EXEC_CMD"][0])
     assert (exe[3], exe[6], exe[7]) == (0, 1, 4)                             # type, cmd_count, arg_count
     wait = TIMELINE_WAIT.unpack_from(by_name["SYNCOBJ_TIMELINE_WAIT"][0])
@@ -121,6 +149,11 @@ def test_repeated_run_costs_exec_and_wait_only(npu1_fixture):
         assert (c.array(np.uint32)[:OUT_BYTES // 4] == src[:OUT_BYTES // 4] + i).all()
     assert seam.names()[n:] == ["SYNC_BO", "EXEC_CMD", "SYNCOBJ_TIMELINE_WAIT", "SYNC_BO"] * 3
     assert emu.counters.ioctls["CREATE_BO"] == 1 + 1 + 3 + 1 + 2   # heap, PDI, a b c, instructions, 2 exec BOs
+    # Same packet and the same arg-handle array and wait arrays every time (no allocation per dispatch);
+    # only the wait deadline changes.
+    execs = {EXEC_CMD.unpack_from(c[2])[:8] for c in seam.calls[n:] if c[0] == "ioctl" and c[1] & 0xFF == 0x46}
+    waits = {TIMELINE_WAIT.unpack_from(c[2])[:2] for c in seam.calls[n:] if c[0] == "ioctl" and c[1] & 0xFF == 0xCA}
+    assert len(execs) == 1 and next(iter(execs))[4] == run.packet.handle and len(waits) == 1
     assert again.packet.handle != run.packet.handle and run.seq == 3
     dev.close()
 
@@ -331,6 +364,13 @@ def test_prepare_validates_arguments(device, npu1_fixture):
         kernel.prepare(3, None, 1 << 32)
     with pytest.raises(RuntimeError, match="never started"):
         kernel.prepare(3).wait()
+    with open_device("emu:npu1") as other:
+        with pytest.raises(ValueError, match=r"argument 5 \(bo2\): buffer belongs to emu:npu1, not to this"):
+            kernel.prepare(3, None, 0, a, None, other.bo(4096))
+    closed = device.bo(4096)
+    closed.close()
+    with pytest.raises(ValueError, match=r"argument 3 \(bo0\): buffer is closed"):
+        kernel.prepare(3, None, 0, closed)
     run = kernel.prepare_npu(stream, [a, None, device.bo(4096)])
     run.start()
     with pytest.raises(RuntimeError, match="still in flight"):
@@ -389,3 +429,145 @@ def test_wait_cmd_is_used_when_the_context_has_no_syncobj(npu1_fixture):
     assert 0xC0 not in seam.requests                # no syncobj to destroy
     dev.close()
     emu.close()
+
+
+def test_context_geometry_and_regmap_follow_the_xclbin_not_the_mlir_aie_layout():
+    """AMD's NPU1 xclbin (fixture amd-npu1): column_width 4, operations_per_cycle 8192 and the legacy
+    DPU_PDI_0 argument layout, hand-decoded from its AIE_PARTITION and EMBEDDED_METADATA XML: opcode u64
+    @0, ifm @8, param @0x10, ofm @0x18, inter @0x20, instruct @0x28, nistruct u32 @0x30, mc @0x34."""
+    dev, emu, seam = emu_open("npu1")
+    x = Xclbin.load(SHARED_FIXTURES / "amd-npu1" / "validate_throughput_phx.xclbin")
+    ctx = dev.hw_context(x)                         # the HLS "vadd" kernel has no PDI: only DPU_PDI_0 is a CU
+    hwctx = CREATE_HWCTX.unpack_from(next(c[2] for c in seam.calls if c[0] == "ioctl" and c[1] & 0xFF == 0x40))
+    assert (hwctx[5], hwctx[6]) == (8192, 16) and [cu.kernel.name for cu in ctx.cus] == ["DPU_PDI_0"]
+    kernel = ctx.kernel()
+    ifm, param, ofm, instr = dev.bo(4096), dev.bo(4096), dev.bo(8192), dev.bo(4096, "dev")
+    run = kernel.prepare(1, ifm, param, ofm.sub(4096, 64), None, instr, 20)
+    words = struct.unpack("<17I", run.packet.read(68))
+    assert words[0] == 0x30010001 and words[1] == 1                  # 15-word regmap, cu 0
+    u64 = {off: words[2 + off // 4] | words[3 + off // 4] << 32 for off in (0x00, 0x08, 0x10, 0x18, 0x20, 0x28, 0x34)}
+    assert u64 == {0x00: 1, 0x08: ifm.address, 0x10: param.address, 0x18: ofm.address + 4096, 0x20: 0,
+                   0x28: instr.address, 0x34: 0}
+    assert words[2 + 0x30 // 4] == 20
+    assert run.handles == [ifm.handle, param.handle, ofm.handle, instr.handle]
+    with pytest.raises(ValueError, match=r"nistruct\) = -4294967296 does not fit 4 bytes"):
+        kernel.prepare(1, None, None, None, None, None, -(1 << 32))
+    dev.close()
+
+
+def test_instruction_streams_in_every_form_are_uploaded_once(device, npu1_fixture, tmp_path):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    words = struct.unpack(f"<{len(stream) // 4}I", stream)
+    text = tmp_path / "insts.txt"
+    text.write_text("".join(f"{w:08X}\n" for w in words))          # mlir-aie's text form (spec 2.3)
+    creates = device.stats["CREATE_BO"]
+    forms = [stream, npu1_fixture / "insts.bin", str(text), insts.load(stream), list(words),
+             np.frombuffer(stream, np.uint32)]
+    uploads = [ctx.instructions(form) for form in forms]
+    assert device.stats["CREATE_BO"] == creates + 1
+    assert all(u == uploads[0] for u in uploads) and uploads[0][1] == len(stream) // 4 == 82
+    assert uploads[0][0].read(len(stream)) == stream                 # the bytes of the file, unchanged
+    assert kernel.prepare_npu(str(text), [None]).handles == [uploads[0][0].handle]
+    with pytest.raises(insts.InstsError):
+        ctx.instructions(stream[:-4])
+    with pytest.raises(TypeError, match="instruction stream"):
+        ctx.instructions(42)
+    assert device.stats["CREATE_BO"] == creates + 1 + 1               # + the packet buffer of that run
+
+
+def test_bad_timeouts_are_rejected_before_waiting(device, npu1_fixture):
+    ctx, kernel, stream = _passthrough(device, npu1_fixture)
+    run = kernel.prepare_npu(stream, [device.bo(4096), None, device.bo(4096)]).start()
+    waits = device.stats["SYNCOBJ_TIMELINE_WAIT"]
+    for bad in (-1, "soon", float("nan")):
+        with pytest.raises(ValueError, match="timeout must be"):
+            run.wait(bad)
+    assert device.stats["SYNCOBJ_TIMELINE_WAIT"] == waits
+    assert run.wait(30) == cmd.ERT_CMD_STATE_COMPLETED
+
+
+class _FailNth(RecordingSeam):
+    """Fails the n-th syscall (ioctl, mmap or reserve) counted from ``arm()`` with ``err``."""
+
+    def arm(self, n: int, err: int) -> None:
+        self.left, self.err, self.counted = n, err, 0
+
+    def _fail(self, key, *args) -> None:
+        self.counted += 1
+        self.left -= 1
+        if self.left == -1:
+            self.failed = key
+            raise OSError(self.err, os.strerror(self.err))
+
+
+def _bring_up_and_run(dev, fixture, stream):
+    ctx = dev.hw_context(Xclbin.load(fixture / "aie.xclbin"))
+    a, b, c = dev.bo(4096), dev.bo(4096), dev.bo(4096)
+    a.sync()
+    runs = [ctx.kernel().prepare_npu(stream, [a, b, c]) for _ in range(2)]
+    runs[0].start().wait(30)
+    c.sync()
+    chain = RunList(ctx, runs)
+    chain.start().wait(30)
+    return dev.file.seam.counted        # syscalls so far; releasing the locals comes after
+
+
+def _open_failing(fixture):
+    emu = EmuDevice("npu1")
+    seam = _FailNth(emu.open())
+    seam.arm(1 << 30, 0)
+    dev = Device(seam, emulator=emu, owns_emulator=True)
+    return dev, emu, seam, passthrough_stream(dev, fixture)
+
+
+def _held(emu):
+    """(contexts, syncobjs, mappings, GEM handles) the emulated driver holds for the first fd."""
+    live = emu.counters.live()
+    return live["hwctx"], live["syncobjs"], live["mappings"], set(emu.clients[0].bos)
+
+
+def _settled(probe, expected, seconds=5.0):
+    # A run whose wait failed is still executing in the emulator; what it uses lives until it ends.
+    deadline = time.monotonic() + seconds
+    while probe() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return probe()
+
+
+@pytest.mark.emu_only
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENODEV])
+def test_every_failing_step_leaves_no_live_handles(npu1_fixture, err):
+    """Fail each syscall of a bring-up + run + run list in turn: the error surfaces typed and named, and
+    once the caller drops its objects the fd holds no GEM handle but the heap's, no context, syncobj or
+    mapping but the heap's (the driver keeps a closed heap's pages until the fd closes, spec 7). A lost
+    device (ENODEV outside CREATE_HWCTX) latches. Closing the fd then leaves nothing at all."""
+    dev, emu, seam, stream = _open_failing(npu1_fixture)
+    seam.arm(1 << 30, errno.EIO)
+    steps = _bring_up_and_run(dev, npu1_fixture, stream)
+    dev.close()
+    assert steps == 40
+    for n in range(steps):
+        dev, emu, seam, stream = _open_failing(npu1_fixture)
+        seam.arm(n, err)
+        try:
+            _bring_up_and_run(dev, npu1_fixture, stream)
+        except errors.XdnaError as exc:
+            failed = IOCTL_NAMES.get(seam.failed & 0xFF) if isinstance(seam.failed, int) else seam.failed
+            assert exc.errno == err and f"{errno.errorcode[err]} (" in str(exc), (n, str(exc))
+            refused_context = isinstance(exc, errors.ContextUnavailableError)
+            assert refused_context == (failed == "CREATE_HWCTX" and err == errno.ENODEV), (n, failed, type(exc))
+            lost = err == errno.ENODEV and not refused_context
+            assert isinstance(exc, errors.DeviceLostError) == lost, (n, failed, type(exc))
+        else:
+            pytest.fail(f"syscall {n} failed with {errno.errorcode[err]} but nothing was raised")
+        gc.collect()
+        if lost:
+            with pytest.raises(errors.DeviceLostError, match="device lost earlier"):
+                dev.bo(4096)
+        else:
+            heap = {chunk.handle for chunk in dev.heap}
+            expected = (0, 0, len(heap), heap)
+            assert _settled(functools.partial(_held, emu), expected) == expected, (n, failed)
+        dev.close()
+        zero = dict.fromkeys(("bos", "hwctx", "syncobjs", "mappings"), 0)
+        assert _settled(emu.counters.live, zero) == zero, (n, failed)

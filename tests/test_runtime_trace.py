@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import passthrough_stream
 
 from amdxdna_direct import Xclbin, open_device, trace
-from amdxdna_direct.emu import Passthrough
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,8 +30,7 @@ def traced():
 
 def _passthrough(fixture):
     dev = open_device("emu:npu1")
-    stream = (fixture / "insts.bin").read_bytes()
-    dev.emulator.models.bind(stream, Passthrough())
+    stream = passthrough_stream(dev, fixture)
     ctx = dev.hw_context(Xclbin.load(fixture / "aie.xclbin"))
     a, b, c = dev.bo(4096), dev.bo(4096), dev.bo(4096)
     a.array(np.uint32)[:] = 1
@@ -45,9 +44,21 @@ def test_every_ioctl_of_a_passthrough_run_is_logged_decoded(traced, npu1_fixture
     dev = _passthrough(npu1_fixture)
     dev.close()
     lines = traced.getvalue().splitlines()
-    names = [re.match(r"amdxdna-trace: emu:npu1 (\w+)\(", line).group(1) for line in lines]
+    # name(decoded input fields) -> 0 {fields the driver wrote} | ERRNO (text), then the duration
+    shape = re.compile(r"amdxdna-trace: emu:npu1 (\w+)\((\w+=[^,()]+(, )?)+\) -> (0 \{.*\}|E[A-Z]+ \(.+\)) [\d.]+us")
+    assert all(shape.fullmatch(line) for line in lines), [line for line in lines if not shape.fullmatch(line)]
+    names = [shape.fullmatch(line).group(1) for line in lines]
     issued = {k: v for k, v in dev.stats.items() if k.isupper()}
     assert {n: names.count(n) for n in set(names)} == issued          # one line per ioctl, none missing
+    # every ioctl XRT issues for one run (spec xrt-npu-sequence.md 0), plus the DRM version check
+    assert set(names) == {"VERSION", "CREATE_BO", "GET_BO_INFO", "GET_INFO", "CREATE_HWCTX", "CONFIG_HWCTX",
+                          "SYNC_BO", "EXEC_CMD", "SYNCOBJ_TIMELINE_WAIT", "GEM_CLOSE", "SYNCOBJ_DESTROY",
+                          "DESTROY_HWCTX"}
+    by_name = {n: [line for line in lines if f" {n}(" in line] for n in set(names)}
+    assert "param=1, buffer_size=64" in by_name["GET_INFO"][0]               # QUERY_AIE_METADATA, 64 bytes
+    assert re.search(r"param_type=0, param_val=0x[0-9a-f]+, param_val_size=16", by_name["CONFIG_HWCTX"][0])
+    assert "count_handles=1, flags=2" in by_name["SYNCOBJ_TIMELINE_WAIT"][0]   # WAIT_FOR_SUBMIT
+    assert all("direction=0" in line for line in by_name["SYNC_BO"])         # TO_DEVICE both ways (spec 4.6)
     create = next(line for line in lines if " CREATE_HWCTX(" in line)
     assert "max_opc=2048" in create and "num_tiles=4" in create and "-> 0 {" in create
     assert re.search(r"handle=1, syncobj_handle=\d+", create) and create.endswith("us")

@@ -211,3 +211,26 @@ def test_copy_wide_large_and_small():
     assert small.tolist() == list(range(10))
     with pytest.raises(ValueError, match="holds 20 bytes"):
         pack.copy_wide(small, np.zeros(11, dtype=np.uint16))
+
+
+def test_copy_wide_copies_whole_blocks_in_parallel(monkeypatch):
+    """Above two blocks the copy is one memcpy per COPY_BLOCK bytes, mapped over the worker pool; below, one
+    memcpy on the calling thread (never element by element: each task is a whole block)."""
+    starts = []
+
+    class Recorder:
+        def map(self, fn, offsets):
+            offsets = list(offsets)
+            starts.extend(offsets)
+            return [fn(o) for o in offsets]
+
+    monkeypatch.setattr(pack, "_executor", Recorder)
+    monkeypatch.setattr(pack, "_COPY_WORKERS", 2)
+    size = 2 * pack.COPY_BLOCK + 5
+    src = np.random.default_rng(5).integers(0, 255, size=size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    pack.copy_wide(dst, src)
+    assert starts == [0, pack.COPY_BLOCK, 2 * pack.COPY_BLOCK] and np.array_equal(dst, src)
+    starts.clear()
+    pack.copy_wide(dst[: 2 * pack.COPY_BLOCK - 1], src[1 : 2 * pack.COPY_BLOCK])
+    assert starts == [] and np.array_equal(dst[: 2 * pack.COPY_BLOCK - 1], src[1 : 2 * pack.COPY_BLOCK])

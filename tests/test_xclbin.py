@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from amdxdna_direct import xclbin
+from amdxdna_direct.cli import xclbin_cmd
 from amdxdna_direct.xclbin import (
     AiePartition,
     CdoGroup,
@@ -62,6 +63,18 @@ def test_every_fixture_parses_and_round_trips(rel):
     assert again == x
     assert again.length == len(written)
     assert xclbin.write(again) == written
+
+
+def test_record_layouts_taken_from_the_cdef_have_the_spec_sizes():
+    # spec 3.1-3.8: axlf prefix 0x130, header 152, section header 40, mem_data 40, connection 12, ip_data 80,
+    # aie_partition 184, aie_pdi 96, cdo_group 96; the section table starts at 0x1C8
+    sizes = [layout.size for layout in (xclbin._AXLF_PREFIX, xclbin._AXLF_HEADER, xclbin._SECTION_HEADER,
+                                        xclbin._MEM_DATA, xclbin._CONNECTION, xclbin._IP_DATA, xclbin._PARTITION,
+                                        xclbin._AIE_PDI, xclbin._CDO_GROUP)]
+    assert sizes == [0x130, 152, 40, 40, 12, 80, 184, 96, 96] and xclbin._SECTION_TABLE == 0x1C8
+    assert (xclbin._MEM_COUNT.size, xclbin._CONNECTION_COUNT.size, xclbin._IP_COUNT.size) == (8, 4, 8)
+    assert (xclbin.SECTION_KINDS[32], xclbin.CDO_TYPES[1], xclbin.MEM_TYPES[2], xclbin.IP_TYPES[7]) == (
+        "AIE_PARTITION", "PRIMARY", "DRAM", "PS_KERNEL")
 
 
 def test_npu1_header_and_section_table_decoded_by_hand():
@@ -408,6 +421,14 @@ def test_parse_rejects_other_inputs(tmp_path):
         xclbin.parse(tmp_path / "missing.xclbin")
 
 
+def test_views_refuse_undecoded_content_of_a_decoded_kind():
+    x = xclbin.build_mlir_aie(b"pdi")
+    raw = dataclasses.replace(x, sections=(Section(xclbin.AIE_PARTITION, "p", b"\0" * 184),) + x.sections)
+    with pytest.raises(XclbinError, match=r"^AIE_PARTITION section 'p': content is bytes, expected AiePartition$"):
+        raw.partition  # noqa: B018 - the property raises
+    assert raw.mem_topology == x.mem_topology and dataclasses.replace(x, sections=()).partition is None
+
+
 def test_connection_and_section_equality_ignore_layout():
     assert Section(6, "n", b"", offset=1, size=2) == Section(6, "n", b"", offset=3, size=4)
     assert Connection(1, 0, 1) != Connection(1, 0, 0)
@@ -417,12 +438,14 @@ def test_connection_and_section_equality_ignore_layout():
 
 
 def _structural_offsets(raw: bytes) -> list[int]:
-    """Byte offsets of the header, the section table and the first 200 bytes of every section."""
+    """Byte offsets of the header, the section table, and the first and last 200 bytes of every section
+    (AIE_PARTITION keeps its aie_pdi and cdo_group records at the end, spec 3.8)."""
     count = struct.unpack_from("<I", raw, 0x1C0)[0]
     spots = list(range(0x128, 0x1C8 + 40 * count))
     for i in range(count):
         offset, size = struct.unpack_from("<QQ", raw, 0x1C8 + 40 * i + 0x18)
         spots.extend(range(offset, min(offset + size, offset + 200, len(raw))))
+        spots.extend(range(max(offset, offset + size - 200), min(offset + size, len(raw))))
     return spots
 
 
@@ -437,11 +460,11 @@ def _mutations(raw: bytes) -> st.SearchStrategy[bytes]:
     return st.one_of(flip, truncate, insert, big)
 
 
-@pytest.mark.parametrize("rel", [f"{NPU1}/aie.xclbin", "amd-npu1/validate_throughput_phx.xclbin"])
+@pytest.mark.parametrize("rel", ALL_XCLBINS)
 def test_fuzz_mutated_fixtures_raise_only_xclbin_error(rel):
     raw = fixture(rel).read_bytes()
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.data_too_large])
     @given(_mutations(raw))
     def check(data):
@@ -449,6 +472,9 @@ def test_fuzz_mutated_fixtures_raise_only_xclbin_error(rel):
             x = xclbin.parse(data)
         except XclbinError:
             return
+        # whatever parses also writes back, and the CLI can describe and print it
         assert xclbin.parse(xclbin.write(x)) == x
+        json.dumps(xclbin_cmd.describe(x))
+        xclbin_cmd.render(x)
 
     check()

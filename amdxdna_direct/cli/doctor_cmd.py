@@ -26,7 +26,8 @@ checks, in order:
 exit codes:
   0    no check failed (warnings and skipped checks allowed)
   1    at least one check failed (a malformed --xclbin/--insts fails the self-test)
-  2    usage error (bad option, unknown --user, unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
+  2    usage error (bad option, --xclbin without --insts or the reverse, unknown --user, unknown emulator
+       profile in --device or $AMDXDNA_DEVICE)"""
 
 _MARK = {doctor.PASS: "pass", doctor.WARN: "WARN", doctor.FAIL: "FAIL", doctor.SKIP: "skip"}
 
@@ -59,7 +60,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the checks; return 1 if any failed, else 0 (2 for an unknown --user or a bad $AMDXDNA_DEVICE)."""
+    """Run the checks; return 1 if any failed, else 0 (2 for a usage error: --xclbin without --insts or the
+    reverse, an unknown --user, a bad $AMDXDNA_DEVICE)."""
+    if (args.xclbin is None) != (args.insts is None):
+        print("amdxdna doctor: --xclbin and --insts go together (the self-test design and its instruction stream)",
+              file=sys.stderr)
+        return 2
     try:
         host = doctor.Host.probe(args.root, user=args.user)
         device = args.device if args.device is not None else _env_device(args.root)

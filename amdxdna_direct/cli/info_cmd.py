@@ -31,8 +31,8 @@ DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdx
 
 EXIT_CODES = """\
 exit codes:
-  0    the device was opened and queried (unsupported queries are reported, not failures)
-  1    the device could not be opened (message on stderr; `amdxdna doctor` says why)
+  0    the device was opened and every query answered (a query this driver lacks is reported, not a failure)
+  1    the device could not be opened, or a query failed (message on stderr; `amdxdna doctor` says why)
   2    usage error (bad option; unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
 
 
@@ -88,7 +88,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Query the device and print; return 0, or 1 when it cannot be opened."""
+    """Query the device and print; return 0, or 1 when it cannot be opened or a query failed."""
     try:
         dev = open_device(args.device)
     except XdnaError as exc:
@@ -97,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     with dev:
         info = collect(dev)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
+    failed = [key for key, value in info.items() if _error(value) not in (None, NOT_SUPPORTED)]
+    if failed:
+        print(f"amdxdna info: {dev.name}: query failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

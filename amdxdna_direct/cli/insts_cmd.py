@@ -3,53 +3,43 @@
 from __future__ import annotations
 
 import argparse
-import errno
-import json
-import sys
 from dataclasses import fields
 
-from ..insts import BlockWrite, DdrPatch, InstsError, MaskWrite, Op, Stream, Sync, Write32, layout, load
+from ..insts import (
+    DIRECTION_MM2S,
+    DIRECTION_S2MM,
+    BlockWrite,
+    DdrPatch,
+    InstsError,
+    MaskWrite,
+    Op,
+    Stream,
+    Sync,
+    Write32,
+    layout,
+    load,
+)
+from . import add_file_parser, inspect_file
 
 __all__ = ["add_parser", "describe", "render", "run"]
 
-EXIT_CODES = """\
-exit codes:
-  0    the stream decoded; listing printed
-  1    the file cannot be read or is not a valid TXN stream (message on stderr)
-  2    usage error"""
-
 _OP_NAMES = {Write32: "write32", BlockWrite: "blockwrite", MaskWrite: "maskwrite", Sync: "sync",
              DdrPatch: "ddr_patch"}
-# aie-rt XAie_DmaDirection (spec 2.3 SYNC).
-_DIRECTIONS = {0: "S2MM", 1: "MM2S"}
+_DIRECTIONS = {DIRECTION_S2MM: "S2MM", DIRECTION_MM2S: "MM2S"}
 _WORDS_PER_LINE = 8
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``insts`` on an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
-        "insts", help="disassemble an instruction stream (insts.bin or insts.txt)",
+    return add_file_parser(
+        subparsers, "insts", "TXN stream", help="disassemble an instruction stream (insts.bin or insts.txt)",
         description="Decode an mlir-aie instruction stream (aie-rt TXN format, binary or one hex word per "
-                    "line) and list its header and ops with the word offset of each op.",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("file", metavar="FILE", help="the instruction stream file")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
-    return parser
+                    "line) and list its header and ops with the word offset of each op.")
 
 
 def run(args: argparse.Namespace) -> int:
     """Decode ``args.file`` and print it; 0 on success, 1 if it cannot be read or decoded."""
-    try:
-        stream = load(args.file)
-    except InstsError as exc:
-        print(f"amdxdna insts: {args.file}: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"amdxdna insts: {args.file}: {exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})",
-              file=sys.stderr)
-        return 1
-    print(json.dumps(describe(stream), indent=2) if args.json else render(stream))
-    return 0
+    return inspect_file("insts", args, load, InstsError, describe, render)
 
 
 def describe(stream: Stream) -> dict:

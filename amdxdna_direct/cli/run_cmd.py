@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import textwrap
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -27,21 +27,29 @@ from ..bo import Bo
 from ..device import Device
 from ..doctor import bind_model, is_emulated
 from ..emu.models import Gemm, Passthrough
-from ..errors import XdnaError
+from ..errors import XdnaError, errno_text
 from ..kernel import Run
 from ..xclbin import Xclbin
+from .info_cmd import add_device_option, command_parser
 
 __all__ = ["BufferSpec", "parse_buffer", "parse_model", "assign_slots", "add_parser", "run"]
 
 EXIT_CODES = """\
 exit codes:
   0    every run completed; outputs written
-  1    the device, the kernel or a run failed (message on stderr)
-  2    usage error (bad option, unreadable or malformed file, --model on a real device)"""
+  1    failure (message on stderr): an input file cannot be read or is malformed (xclbin, instruction
+       stream, .npy), an output cannot be written, or the device, the context or a run failed
+  2    usage error: bad option or option value, --kernel not in the xclbin, buffers that do not fit the
+       slots the stream patches, --model on a real device, unknown emulator profile"""
 
 
 class UsageError(ValueError):
     """A command-line mistake (exit status 2)."""
+
+
+class FileError(ValueError):
+    """An input file that cannot be read or is malformed, or an output that cannot be written (exit status 1,
+    as for a malformed file given to ``amdxdna xclbin`` or ``amdxdna insts``)."""
 
 
 @dataclass
@@ -96,13 +104,16 @@ def assign_slots(specs: list[BufferSpec], patched: list[int]) -> dict[int, Buffe
     A stream that patches nothing takes the buffers on slots 0, 1, ... in order.
 
     Raises:
-        UsageError: two buffers on one slot, more buffers than free patched slots, or a patched slot
-            left without a buffer.
+        UsageError: two buffers on one slot, an explicit slot the stream does not patch (the device would
+            never see that buffer), more buffers than free patched slots, or a patched slot left without a buffer.
     """
     placed: dict[int, BufferSpec] = {}
     for spec in (s for s in specs if s.slot is not None):
         if spec.slot in placed:
             raise UsageError(f"two buffers on slot {spec.slot}: {placed[spec.slot].path} and {spec.path}")
+        if patched and spec.slot not in patched:
+            raise UsageError(f"--{spec.direction} {spec.slot}={spec.path}: the instruction stream patches slots "
+                             f"{patched} only")
         placed[spec.slot] = spec
     free = [s for s in (patched or range(len(specs))) if s not in placed]
     implicit = [s for s in specs if s.slot is None]
@@ -118,22 +129,18 @@ def assign_slots(specs: list[BufferSpec], patched: list[int]) -> dict[int, Buffe
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``run`` on an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
-        "run", help="run one kernel with numpy inputs and outputs, timing each run",
-        description=textwrap.fill(
-            "Run one kernel of XCLBIN with the instruction stream INSTS (mlir-aie convention: opcode "
-            "3, instruction buffer, word count, then buffers bo0, bo1, ...). --in/--out files are "
-            "placed, in that order, on the buffer slots the stream patches (its DDR_PATCH arg_idx); "
-            "write SLOT=FILE to choose the slot. Prints the time per run (min/median/max) and the "
-            "ioctls each run makes.", 100),
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", metavar="DEV",
-                        help="device: /dev/accel/accelN, emu, emu:npu1, emu:npu4, ... (default: $AMDXDNA_DEVICE, "
-                             "else the first /dev/accel node)")
+    parser = command_parser(
+        subparsers, "run", "run one kernel with numpy inputs and outputs, timing each run",
+        "Run one kernel of XCLBIN with the instruction stream INSTS (mlir-aie convention: opcode 3, "
+        "instruction buffer, word count, then buffers bo0, bo1, ...). --in/--out files are placed, in "
+        "that order, on the buffer slots the stream patches (its DDR_PATCH arg_idx); write SLOT=FILE to "
+        "choose the slot. Prints the time per run (min/median/max) and the ioctls each run makes.", EXIT_CODES)
+    add_device_option(parser, "device to run on", "$AMDXDNA_DEVICE, else the first /dev/accel node driven by amdxdna")
     parser.add_argument("--xclbin", required=True, metavar="X", help="the xclbin file (required)")
     parser.add_argument("--insts", required=True, metavar="I",
                         help="the instruction stream, insts.bin or insts.txt (required)")
-    parser.add_argument("--kernel", metavar="NAME", help="kernel name in the xclbin (default: its only/first kernel)")
+    parser.add_argument("--kernel", metavar="NAME",
+                        help="kernel name in the xclbin (default: its first kernel of type dpu)")
     parser.add_argument("--in", dest="inputs", action="append", default=[], metavar="[SLOT=]FILE.npy",
                         help="input array, copied into a new buffer (repeatable; default: none)")
     parser.add_argument("--out", dest="outputs", action="append", default=[], metavar="[SLOT=]FILE.npy",
@@ -157,24 +164,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the kernel ``args.repeat`` times; return 0, 1 (device/run failure) or 2 (usage)."""
-    device = args.device if args.device is not None else os.environ.get("AMDXDNA_DEVICE")
-    if args.model and not is_emulated(device):
-        print(f"amdxdna run: --model binds an emulator model; {device or 'the default device'} is not the emulator "
-              "(use --device emu:npu1, emu:npu4, ...)", file=sys.stderr)
-        return 2
+    """Run the kernel ``args.repeat`` times; return 0, 1 (file, device or run failure) or 2 (usage)."""
     try:
         job = _Job.from_args(args)
-    except (UsageError, OSError, ValueError) as exc:
+        report = job.execute(args.device, args.repeat, args.timeout)
+    except UsageError as exc:
         print(f"amdxdna run: {exc}", file=sys.stderr)
         return 2
-    try:
-        report = job.execute(device, args.repeat, args.timeout)
-    except (UsageError, ValueError) as exc:  # e.g. a kernel name the xclbin lacks, too many buffers
+    except (FileError, XdnaError) as exc:
         print(f"amdxdna run: {exc}", file=sys.stderr)
-        return 2
-    except XdnaError as exc:
-        print(f"amdxdna run: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # the runtime refused the xclbin, e.g. no AIE_PARTITION or no runnable DPU kernel
+        print(f"amdxdna run: --xclbin {args.xclbin}: {exc}", file=sys.stderr)
         return 1
     _print_report(report, args.json)
     return 0
@@ -196,45 +197,50 @@ class _Job:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> _Job:
-        """Parse files and options.
+        """Check the options and read every input file; nothing touches the device yet.
 
         Raises:
-            UsageError, ValueError, OSError: bad options or unreadable/malformed files.
+            UsageError: a bad option or option value.
+            FileError: an input file cannot be read or is malformed.
         """
         if args.repeat < 1:
             raise UsageError(f"--repeat {args.repeat}: must be at least 1")
-        model = parse_model(args.model) if args.model else None
-        stream = insts.load(args.insts)
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout {args.timeout}: must be positive")
+        model = _model_for(args.model, args.device) if args.model else None
+        xclbin = _read_input("--xclbin", args.xclbin, Xclbin.load)
+        if args.kernel is not None:
+            _check_kernel(xclbin, args.kernel)
+        stream = _read_input("--insts", args.insts, insts.load)
         specs = [parse_buffer(t, "in") for t in args.inputs] + [parse_buffer(t, "out") for t in args.outputs]
         slots = assign_slots(specs, patched_slots(stream))
-        inputs = {slot: _load_array(spec.path) for slot, spec in slots.items() if spec.direction == "in"}
+        inputs = {slot: _read_input("--in", spec.path, _load_array) for slot, spec in slots.items()
+                  if spec.direction == "in"}
         first_in = next((spec for spec in specs if spec.direction == "in"), None)
         like = next((inputs[slot] for slot, spec in slots.items() if spec is first_in), None)
-        out_slots = [slot for slot, spec in slots.items() if spec.direction == "out"]
-        out_sizes = _out_sizes(args.out_sizes, out_slots, like)
         dtype = _dtype(args.out_dtype) if args.out_dtype else (like.dtype if like is not None else np.dtype(np.uint8))
-        return cls(Xclbin.load(Path(args.xclbin).read_bytes()), stream, args.kernel, slots, inputs, out_sizes,
-                   dtype, like, model)
+        out_slots = [slot for slot, spec in slots.items() if spec.direction == "out"]
+        out_sizes = _out_sizes(args.out_sizes, out_slots, like, dtype)
+        return cls(xclbin, stream, args.kernel, slots, inputs, out_sizes, dtype, like, model)
 
     def execute(self, device: str | None, repeat: int, timeout: float) -> dict:
         """Open the device, run, write the outputs; return the report.
 
         Raises:
             XdnaError: any runtime failure.
+            ValueError: the runtime cannot load this xclbin (no AIE partition, no runnable DPU kernel).
+            FileError: an output file cannot be written.
         """
         with open_device(device) as dev:
             if self.model is not None:
                 bind_model(dev.emulator, self.stream, self.model)
-            ctx = dev.hw_context(self.xclbin, kernel=self.kernel)
-            try:
+            with dev.hw_context(self.xclbin, kernel=self.kernel) as ctx:
                 buffers = {slot: self._buffer(dev, slot) for slot in self.slots}
                 kernel = ctx.kernel(self.kernel)
-                prepared = kernel.prepare_npu(self.stream, [buffers.get(s) for s in range(max(buffers) + 1)]
-                                              if buffers else [])
+                slots = range(max(buffers, default=-1) + 1)
+                prepared = kernel.prepare_npu(self.stream, [buffers.get(s) for s in slots])
                 times, ioctls = _time_runs(dev, prepared, repeat, timeout)
                 written = self._write_outputs(buffers)
-            finally:
-                ctx.close()
         return {"device": dev.name, "runs": repeat, "seconds": _spread(times),
                 "ioctls_per_run": ioctls, "slots": {s: str(spec.path) for s, spec in self.slots.items()},
                 "outputs": written}
@@ -251,23 +257,75 @@ class _Job:
         return bo
 
     def _write_outputs(self, buffers: dict[int, Bo]) -> list[dict]:
+        """Save each output buffer as .npy.
+
+        Raises:
+            FileError: an output file cannot be written.
+        """
         written = []
         for slot, size in self.out_sizes.items():
             bo = buffers[slot]
             bo.sync()
-            raw = np.frombuffer(bo.read(size), np.uint8)
-            array = _shape_output(raw, self.out_dtype, self.like)
-            np.save(self.slots[slot].path, array)
-            written.append({"slot": slot, "path": str(self.slots[slot].path), "bytes": size,
-                            "dtype": str(array.dtype), "shape": list(array.shape)})
+            array = _shape_output(np.frombuffer(bo.read(size), np.uint8), self.out_dtype, self.like)
+            path = self.slots[slot].path
+            try:
+                np.save(path, array)
+            except OSError as exc:
+                raise FileError(f"--out {path}: {errno_text(exc.errno)}") from None
+            written.append({"slot": slot, "path": str(path), "bytes": size, "dtype": str(array.dtype),
+                            "shape": list(array.shape)})
         return written
 
 
-def _load_array(path: Path) -> np.ndarray:
+def _read_input(option: str, path: str | Path, loader: Callable[[Any], Any]) -> Any:
+    """``loader(path)``, its failures turned into a FileError naming the option, the file and the errno.
+
+    Raises:
+        FileError: the file cannot be read (OSError) or its content is malformed (ValueError, EOFError).
+    """
     try:
-        return np.load(path, allow_pickle=False)
+        return loader(path)
+    except OSError as exc:
+        raise FileError(f"{option} {path}: {errno_text(exc.errno)}") from None
+    except (ValueError, EOFError) as exc:  # XclbinError, InstsError, np.load of a non-.npy or truncated file
+        raise FileError(f"{option} {path}: {exc}") from None
+
+
+NPY_MAGIC = b"\x93NUMPY"  # numpy.lib.format: every .npy file starts with it
+
+
+def _load_array(path: Path) -> np.ndarray:
+    """A .npy array (no pickled objects).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError, EOFError: not a .npy file, or a truncated or object one.
+    """
+    with open(path, "rb") as f:
+        if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+            raise ValueError(f"not a .npy file (it does not start with {NPY_MAGIC!r})")
+        f.seek(0)
+        return np.load(f, allow_pickle=False)
+
+
+def _model_for(text: str, device: str | None) -> Passthrough | Gemm:
+    """The ``--model`` to bind, refused unless ``device`` is the emulator.
+
+    Raises:
+        UsageError: not the emulator, or an unknown model.
+    """
+    if not is_emulated(device):
+        raise UsageError(f"--model binds an emulator model; {device or 'the default device'} is not the emulator "
+                         "(use --device emu:npu1, emu:npu4, ...)")
+    return parse_model(text)
+
+
+def _check_kernel(xclbin: Xclbin, name: str) -> None:
+    """Raises: UsageError: the xclbin has no kernel ``name`` (the message lists its kernels)."""
+    try:
+        xclbin.kernel(name)
     except ValueError as exc:
-        raise UsageError(f"--in {path}: not a numpy .npy array ({exc})") from None
+        raise UsageError(f"--kernel {name!r}: {exc}") from None
 
 
 def _dtype(name: str) -> np.dtype:
@@ -284,33 +342,37 @@ def _dtype(name: str) -> np.dtype:
         raise UsageError(f"--out-dtype {name!r}: not a numpy or ml_dtypes type") from None
 
 
-def _out_sizes(sizes: list[int], out_slots: list[int], like: np.ndarray | None) -> dict[int, int]:
+def _out_sizes(sizes: list[int], out_slots: list[int], like: np.ndarray | None, dtype: np.dtype) -> dict[int, int]:
+    """Byte size of each output buffer: ``--out-size`` values, else the first input's size.
+
+    Raises:
+        UsageError: a count that fits neither rule, no size to take, a non-positive size, or a size that is
+            not a whole number of ``dtype`` elements.
+    """
     if sizes and len(sizes) not in (1, len(out_slots)):
         raise UsageError(f"{len(sizes)} --out-size values for {len(out_slots)} --out files (give one, or one each)")
     if not sizes and out_slots and like is None:
         raise UsageError("--out needs --out-size when there is no --in to take the size from")
     chosen = sizes * len(out_slots) if len(sizes) == 1 else sizes or [like.nbytes] * len(out_slots)
-    bad = [n for n in chosen if n <= 0]
-    if bad:
-        raise UsageError(f"--out-size {bad[0]}: must be positive")
+    for size in chosen:
+        if size <= 0:
+            raise UsageError(f"--out-size {size}: must be positive")
+        if size % dtype.itemsize:
+            raise UsageError(f"--out-size {size}: not a whole number of {dtype} elements ({dtype.itemsize} bytes)")
     return dict(zip(out_slots, chosen, strict=True))
 
 
 def _shape_output(raw: np.ndarray, dtype: np.dtype, like: np.ndarray | None) -> np.ndarray:
-    if raw.nbytes % dtype.itemsize:
-        raise UsageError(f"output of {raw.nbytes} bytes is not a whole number of {dtype} elements")
+    """``raw`` bytes as ``dtype`` (sizes were checked by _out_sizes), in the first input's shape when it matches."""
     array = raw.view(dtype)
     if like is not None and like.dtype == dtype and like.nbytes == raw.nbytes:
         return array.reshape(like.shape)
     return array
 
 
-def _ioctl_names() -> set[str]:
-    return {name for name, _ctype in abi.IOCTLS.values()}
-
-
 def _time_runs(dev: Device, prepared: Run, repeat: int, timeout: float) -> tuple[list[float], dict[str, float]]:
-    names = _ioctl_names()
+    """Wall time of each start+wait, and the ioctls per run (the device's ioctl counters before and after)."""
+    names = {name for name, _ctype in abi.IOCTLS.values()}
     before = Counter({k: v for k, v in dev.stats.items() if k in names})
     times = []
     for _ in range(repeat):

@@ -19,12 +19,14 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
+
+from ..errors import errno_text
+from .info_cmd import DEVICE_ENV, add_device_option, command_parser
 
 __all__ = ["TraceRecord", "parse_line", "parse_fields", "summarise", "format_summary", "add_parser", "run"]
 
@@ -40,8 +42,8 @@ _SUMMARY_ROW = re.compile(r"^(ioctl\s+count\s+errors\s+total ms\s+mean us|\S+\s+
 EXIT_CODES = """\
 exit codes:
   N    the exit status of COMMAND (128+signal when a signal ended it)
-  1    COMMAND could not be started (not found, not executable)
-  2    usage error (no COMMAND given)"""
+  1    COMMAND could not be started (not found, not executable), or the -o FILE cannot be written
+  2    usage error (no COMMAND given, bad option, unknown emulator profile in --device)"""
 
 
 @dataclass(frozen=True)
@@ -122,19 +124,15 @@ def format_summary(table: dict[str, dict[str, float]]) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` on an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
-        "trace", help="run a program with every ioctl traced, then summarise",
-        description=textwrap.fill(
-            "Run COMMAND with AMDXDNA_TRACE=1 and show every ioctl its processes make through "
-            "amdxdna_direct (name, input fields, result or errno, changed output fields, duration), "
-            "then a summary per ioctl (count, errors, total and mean time). The program's own "
-            "stdout is untouched; its stderr passes through minus the trace lines. This package's "
-            "directory is put first on PYTHONPATH so Python programs trace through it. Example: "
-            "amdxdna trace -- python script.py", 100),
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", metavar="DEV",
-                        help="device for the program, exported as AMDXDNA_DEVICE (/dev/accel/accel0, emu, "
-                             "emu:npu1; default: the inherited AMDXDNA_DEVICE, else the program's choice)")
+    parser = command_parser(
+        subparsers, "trace", "run a program with every ioctl traced, then summarise",
+        "Run COMMAND with AMDXDNA_TRACE=1 and show every ioctl its processes make through amdxdna_direct "
+        "(name, input fields, result or errno, changed output fields, duration), then a summary per ioctl "
+        "(count, errors, total and mean time). The program's own stdout is untouched; its stderr passes "
+        "through minus the trace lines. This package's directory is put first on PYTHONPATH so Python "
+        "programs trace through it. Example: amdxdna trace -- python script.py", EXIT_CODES)
+    add_device_option(parser, "device for the program, exported as AMDXDNA_DEVICE",
+                      "the inherited $AMDXDNA_DEVICE, else the program's choice")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document at exit (command, exit status, records, summary) "
                              "instead of the text log and table (default: text)")
@@ -148,24 +146,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``args.command`` traced; return its exit status (1 if it cannot start, 2 without a command)."""
+    """Run ``args.command`` traced; return its exit status (1 if it cannot start or -o cannot be written,
+    2 without a command)."""
     command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
         print("amdxdna trace: no COMMAND given (usage: amdxdna trace [options] -- COMMAND ...)", file=sys.stderr)
         return 2
     env = dict(os.environ, AMDXDNA_TRACE="1", PYTHONPATH=_python_path())
     if args.device is not None:
-        env["AMDXDNA_DEVICE"] = args.device
+        env[DEVICE_ENV] = args.device
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as exc:
-        print(f"amdxdna trace: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
-        return 2
+        print(f"amdxdna trace: -o {args.output}: cannot write: {errno_text(exc.errno)}", file=sys.stderr)
+        return 1
     try:
         try:
             child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
         except OSError as exc:
-            print(f"amdxdna trace: cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr)
+            print(f"amdxdna trace: cannot start {command[0]!r}: {errno_text(exc.errno)}", file=sys.stderr)
             return 1
         with _sigint_to_child():
             records = _collect(child.stderr, None if args.json or args.no_log else out)

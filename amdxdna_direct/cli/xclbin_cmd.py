@@ -3,54 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import errno
-import json
-import sys
 import uuid as uuidlib
 
-from ..xclbin import AiePartition, Kernel, Xclbin, XclbinError, parse
+from ..xclbin import IP_PS_KERNEL, IP_TYPES, MEM_TYPES, AiePartition, Kernel, Xclbin, XclbinError, parse
+from . import add_file_parser, inspect_file
 
 __all__ = ["add_parser", "describe", "render", "run"]
-
-EXIT_CODES = """\
-exit codes:
-  0    the file parsed; summary printed
-  1    the file cannot be read or is not a valid xclbin (message on stderr)
-  2    usage error"""
-
-# enum MEM_TYPE / IP_TYPE names for the text summary (xclbin.h; spec 3.4, 3.6).
-_MEM_TYPES = {0: "DDR3", 1: "DDR4", 2: "DRAM", 3: "STREAMING", 4: "PREALLOCATED_GLOB", 5: "ARE", 6: "HBM",
-              7: "BRAM", 8: "URAM", 9: "STREAMING_CONNECTION", 10: "HOST", 11: "PS_KERNEL"}
-_IP_TYPES = {0: "MB", 1: "KERNEL", 2: "DNASC", 3: "DDR4_CONTROLLER", 4: "MEM_DDR4", 5: "MEM_HBM",
-             6: "MEM_HBM_ECC", 7: "PS_KERNEL"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``xclbin`` on an ``argparse`` subparsers object."""
-    parser = subparsers.add_parser(
-        "xclbin", help="summarise an xclbin (header, sections, kernels, AIE partition)",
+    return add_file_parser(
+        subparsers, "xclbin", "xclbin", help="summarise an xclbin (header, sections, kernels, AIE partition)",
         description="Print what an xclbin holds: header (uuid, version, platform), the section table, "
                     "memory topology, IP layout, kernels with their arguments (regmap offset and size) "
-                    "and the AIE partition (columns, PDIs and their CDO groups).",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("file", metavar="FILE", help="the xclbin file")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
-    return parser
+                    "and the AIE partition (columns, PDIs and their CDO groups).")
 
 
 def run(args: argparse.Namespace) -> int:
     """Parse ``args.file`` and print its summary; 0 on success, 1 if it cannot be read or parsed."""
-    try:
-        x = parse(args.file)
-    except XclbinError as exc:
-        print(f"amdxdna xclbin: {args.file}: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"amdxdna xclbin: {args.file}: {exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})",
-              file=sys.stderr)
-        return 1
-    print(json.dumps(describe(x), indent=2) if args.json else render(x))
-    return 0
+    return inspect_file("xclbin", args, parse, XclbinError, describe, render)
 
 
 # --------------------------------------------------------------------------------------------- JSON
@@ -124,7 +96,7 @@ def _memory_lines(x: Xclbin) -> list[str]:
         return []
     lines = ["memory topology"]
     for i, m in enumerate(topology.entries):
-        lines.append(f"  [{i}] {_MEM_TYPES.get(m.type, m.type)} {'used' if m.used else 'unused'} "
+        lines.append(f"  [{i}] {MEM_TYPES.get(m.type, m.type)} {'used' if m.used else 'unused'} "
                      f"{m.size_kb:#x} KiB at {m.base_address:#x} tag {m.tag or '-'}")
     return lines
 
@@ -135,8 +107,8 @@ def _ip_lines(x: Xclbin) -> list[str]:
         return []
     lines = ["IP layout"]
     for i, ip in enumerate(layout.entries):
-        line = f"  [{i}] {ip.name} {_IP_TYPES.get(ip.type, ip.type)} properties {ip.properties:#010x}"
-        if ip.type == 7:
+        line = f"  [{i}] {ip.name} {IP_TYPES.get(ip.type, ip.type)} properties {ip.properties:#010x}"
+        if ip.type == IP_PS_KERNEL:
             line += f" (subtype {ip.subtype}, functional {ip.functional}, kernel id {ip.kernel_id:#x})"
         lines.append(line)
     return lines

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
@@ -338,11 +339,23 @@ class Faults:
         self.context_cap: int | None = None
 
     def fail_next_create_hwctx(self, err: int) -> None:
-        """The next CREATE_HWCTX that passes argument checks fails with `err` (at the firmware step)."""
+        """The next CREATE_HWCTX that passes argument checks fails with `err` (at the firmware step).
+
+        Raises:
+            ValueError: `err` is not an errno number.
+        """
+        if isinstance(err, bool) or err not in errno.errorcode:
+            raise ValueError(f"fail_next_create_hwctx: {err!r} is not an errno number")
         self.next_create_hwctx_errno = err
 
     def cap_contexts(self, n: int) -> None:
-        """Lower the firmware context limit to `n` (spec 4.1 step 8: the refusal is EINVAL)."""
+        """Lower the firmware context limit to `n` (spec 4.1 step 8: the refusal is EINVAL).
+
+        Raises:
+            ValueError: `n` is not an int >= 0.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"cap_contexts: the context limit must be an int >= 0, got {n!r}")
         self.context_cap = n
 
     def hang(self, stream, count: int = 1) -> None:
@@ -383,6 +396,8 @@ class Client:
     def __init__(self, device: EmuDevice):
         self.device = device
         self.pid = os.getpid()
+        # SVA binds the process's mm at open: one PASID per process, allocated by the IOMMU (spec 7, open).
+        self.pasid = device.pasids.setdefault(self.pid, len(device.pasids) + 1)
         self.memory = Memory(device.lock)
         if device.profile.expandable_heap:
             # drm_mm_init over the whole window at open: DEV BOs are placed before chunks are checked (spec 4.4).
@@ -423,7 +438,7 @@ class IoctlDef:
     name: str
     layout: L.Layout
     direction: int
-    handler: str
+    handler: str | None             # EmuDevice method "_ioctl_<handler>"; None: known to DRM, not modelled
     root_only: bool = False
 
 
@@ -450,7 +465,7 @@ def _driver_table(profile: Profile) -> dict[int, IoctlDef]:
     # Present in DRM's table but not modelled: a clear EOPNOTSUPP rather than a misleading EINVAL.
     for nr, name in ((0xC1, "SYNCOBJ_HANDLE_TO_FD"), (0xC2, "SYNCOBJ_FD_TO_HANDLE"), (0xCC, "SYNCOBJ_TRANSFER"),
                      (0xCF, "SYNCOBJ_EVENTFD")):
-        table[nr] = IoctlDef(name, _OPAQUE, rw, "unmodelled")
+        table[nr] = IoctlDef(name, _OPAQUE, rw, None)
     driver = [("CREATE_HWCTX", L.create_hwctx, rw, "create_hwctx"),
               ("DESTROY_HWCTX", L.destroy_hwctx, rw, "destroy_hwctx"),
               ("CONFIG_HWCTX", L.config_hwctx, rw, "config_hwctx"),
@@ -487,7 +502,7 @@ class EmuDevice:
         Raises:
             KeyError: unknown profile name.
             TypeError: unknown option.
-            ValueError: dev_heap_max_size is not a positive multiple of 64 MiB.
+            ValueError: dev_heap_max_size is not a positive multiple of 64 MiB, or tdr_timeout is not > 0.
         """
         base = profile if isinstance(profile, Profile) else PROFILES[profile]
         self.profile = dataclasses.replace(base, **options) if options else base
@@ -505,6 +520,7 @@ class EmuDevice:
         self.last_async_error = {"err_code": 0, "ts_us": 0, "ex_err_code": 0}
         self.next_map_offset = DRM_VMA_OFFSET_START
         self.next_fw_id = 0
+        self.pasids: dict[int, int] = {}                # pid -> PASID of its SVA binding
         self.exports: dict[tuple[int, int], Bo] = {}    # (st_dev, st_ino) of exported memfds -> BO
         self.table = _driver_table(self.profile)
         self.counters = Counters(self)
@@ -591,19 +607,22 @@ class EmuDevice:
         type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
         user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
         user_dir = request >> IOC_DIRSHIFT
-        if self.lost:
-            raise fail(errno.ENODEV, f"ioctl({request:#x})", "device lost")
+        entry = self.table.get(nr) if type_byte == DRM_IOCTL_BASE else None
+        op = entry.name if entry is not None else f"ioctl({request:#x})"
         if client.closed:
-            raise fail(errno.EBADF, f"ioctl({request:#x})", "fd closed")
+            raise fail(errno.EBADF, op, "fd closed")
+        if self.lost:
+            raise fail(errno.ENODEV, op, "device lost (drm_dev_is_unplugged)")
         if type_byte != DRM_IOCTL_BASE:
-            raise fail(errno.ENOTTY, f"ioctl({request:#x})", f"type byte {type_byte:#x} is not 'd'")
-        entry = self.table.get(nr)
+            raise fail(errno.ENOTTY, op, f"type byte {type_byte:#x} is not 'd'")
         if entry is None:
-            raise fail(errno.EINVAL, f"ioctl({request:#x})", f"nr {nr:#x} not in the driver's table")
+            raise fail(errno.EINVAL, op, f"nr {nr:#x} not in the driver's table")
         with self.lock:
             self.counters.ioctls[entry.name] += 1
         if entry.root_only and not self.cap_sys_admin:
             raise fail(errno.EACCES, entry.name, "DRM_ROOT_ONLY without CAP_SYS_ADMIN")
+        if entry.handler is None:
+            raise fail(errno.EOPNOTSUPP, entry.name, "sync-file / eventfd / transfer are not modelled by the emulator")
         kdata, out_size = self._copy_in(entry, user_dir, user_size, buf)
         args = entry.layout.unpack(kdata)
         getattr(self, "_ioctl_" + entry.handler)(client, args)
@@ -648,9 +667,6 @@ class EmuDevice:
         if a["capability"] not in values:
             raise fail(errno.EINVAL, "GET_CAP", f"capability={a['capability']:#x} not modelled")
         a["value"] = values[a["capability"]]
-
-    def _ioctl_unmodelled(self, client: Client, a: dict) -> None:
-        raise fail(errno.EOPNOTSUPP, "syncobj fd ioctl", "sync-file/eventfd/transfer are not modelled")
 
     def _ioctl_prime_handle_to_fd(self, client: Client, a: dict) -> None:
         op = f"PRIME_HANDLE_TO_FD(handle={a['handle']})"
@@ -1088,13 +1104,27 @@ class EmuDevice:
             ctx = client.contexts.get(a["hwctx"])
             if ctx is None:
                 raise fail(errno.EINVAL, op, "hwctx not found")
-            while ctx.inflight >= HWCTX_MAX_CMDS and not (ctx.destroyed or self.lost):
-                self.cond.wait()        # the fifth submission blocks until a job ends (spec 4.7 step 6)
-            if self.lost:
-                raise fail(errno.ENODEV, op, "device lost while waiting for an in-flight slot")
-            if ctx.destroyed:
-                raise fail(errno.EINVAL, op, "hwctx destroyed while waiting for an in-flight slot")
+            # The lookups take the references (spec 4.7 step 4), before the wait for a slot: a GEM_CLOSE
+            # while this call blocks drops only the handle (rule D7).
+            held = (cmd_bo, *arg_bos)
+            for bo in held:
+                bo.refs += 1
+            try:
+                self._wait_for_slot(ctx, op)
+            except BaseException:
+                for bo in held:
+                    self.unref_bo(bo)
+                raise
             a["seq"] = self._submit(ctx, cmd_bo, arg_bos)
+
+    def _wait_for_slot(self, ctx: HwCtx, op: str) -> None:
+        """Block (lock released) while the context has HWCTX_MAX_CMDS jobs in flight (spec 4.7 step 6)."""
+        while ctx.inflight >= HWCTX_MAX_CMDS and not (ctx.destroyed or self.lost):
+            self.cond.wait()
+        if self.lost:
+            raise fail(errno.ENODEV, op, "device lost while waiting for an in-flight slot")
+        if ctx.destroyed:
+            raise fail(errno.EINVAL, op, "hwctx destroyed while waiting for an in-flight slot")
 
     def _exec_bos(self, client: Client, cmd_handle: int, arg_handles: list[int], op: str) -> tuple[Bo, list[Bo]]:
         cmd_bo = client.bos.get(cmd_handle)
@@ -1116,8 +1146,7 @@ class EmuDevice:
         ctx.fences[seq] = fence
         ctx.inflight += 1
         ctx.stats["submissions"] += 1
-        for bo in (cmd_bo, *arg_bos):
-            bo.refs += 1        # the job references every BO until it ends (spec 4.7 step 4, rule D7)
+        # The job owns the references EXEC_CMD took until Job.complete drops them (spec 4.7 step 4, rule D7).
         self.firmware.submit(Job(self, ctx, seq, cmd_bo, arg_bos, fence))
         return seq
 
@@ -1148,13 +1177,22 @@ class EmuDevice:
 
     # --- GET_INFO (spec 4.8, 10) ---
 
+    def _param_handler(self, table: dict[int, tuple], param: int, op: str) -> Callable:
+        """The handler of a GET_INFO / GET_ARRAY / SET_STATE param at this feature level (spec 10, 11).
+
+        Raises:
+            OSError: EOPNOTSUPP for a param the driver does not know (or not yet, at this DRM minor).
+        """
+        entry = table.get(param)
+        if entry is None or self.profile.drm_minor < entry[1]:
+            raise fail(errno.EOPNOTSUPP, op, f"Not supported request parameter (DRM minor {self.profile.drm_minor})")
+        return functools.partial(getattr(self, entry[0]), *entry[2:])
+
     def _ioctl_get_info(self, client: Client, a: dict) -> None:
         op = f"GET_INFO(param={a['param']})"
-        handler = _GET_INFO.get(a["param"])
-        if handler is None or self.profile.drm_minor < handler[1]:
-            raise fail(errno.EOPNOTSUPP, op, "Not supported request parameter")
+        handler = self._param_handler(_GET_INFO, a["param"], op)
         with self.lock:
-            getattr(self, handler[0])(a, op)
+            handler(a, op)
 
     def _copy_result(self, a: dict, data: bytes, op: str) -> None:
         # <= 7.0 copies fixed-size results whole, whatever buffer_size says (spec 4.8, rule I1).
@@ -1230,16 +1268,8 @@ class EmuDevice:
         usermem.write(a["buffer"], payload + bytes(data_size), op + " buffer")
         a["buffer_size"] = header_size + data_size
 
-    def _info_preempt(self, key: str) -> Callable[[dict, str], None]:
-        def handler(a: dict, op: str) -> None:
-            self._copy_result(a, L.attribute_state.pack({"state": self.preempt_state[key], "pad": b""}), op)
-        return handler
-
-    def _info_force_preempt(self, a: dict, op: str) -> None:
-        self._info_preempt("force")(a, op)
-
-    def _info_frame_boundary_preempt(self, a: dict, op: str) -> None:
-        self._info_preempt("frame_boundary")(a, op)
+    def _info_preempt(self, key: str, a: dict, op: str) -> None:
+        self._copy_result(a, L.attribute_state.pack({"state": self.preempt_state[key], "pad": b""}), op)
 
     def _info_resource(self, a: dict, op: str) -> None:
         prof = self.profile
@@ -1254,11 +1284,9 @@ class EmuDevice:
         op = f"GET_ARRAY(param={a['param']})"
         if a["pad"] or a["num_element"] == 0 or a["element_size"] == 0:
             raise fail(errno.EINVAL, op, "pad must be 0, num_element and element_size non-zero")
-        handler = _GET_ARRAY.get(a["param"])
-        if handler is None or self.profile.drm_minor < handler[1]:
-            raise fail(errno.EOPNOTSUPP, op, "Not supported request parameter")
+        handler = self._param_handler(_GET_ARRAY, a["param"], op)
         with self.lock:
-            getattr(self, handler[0])(client, a, op)
+            handler(client, a, op)
 
     def _array_hwctx_all(self, client: Client, a: dict, op: str) -> None:
         if a["element_size"] > 4096 or a["num_element"] > 1024:
@@ -1275,7 +1303,7 @@ class EmuDevice:
             "pid": ctx.pid, "command_submissions": ctx.stats["submissions"],
             "command_completions": ctx.stats["completions"], "errors": ctx.stats["errors"],
             "priority": ctx.priority, "heap_usage": sum(bo.size for bo in ctx.internal_bos),
-            "state": AMDXDNA_HWCTX_STATE_ACTIVE, "pasid": ctx.pid, "gops": qos["gops"], "fps": qos["fps"],
+            "state": AMDXDNA_HWCTX_STATE_ACTIVE, "pasid": ctx.fd.pasid, "gops": qos["gops"], "fps": qos["fps"],
             "dma_bandwidth": qos["dma_bandwidth"], "latency": qos["latency"],
             "frame_exec_time": qos["frame_exec_time"]})
 
@@ -1301,11 +1329,9 @@ class EmuDevice:
 
     def _ioctl_set_state(self, client: Client, a: dict) -> None:
         op = f"SET_STATE(param={a['param']})"
-        handler = _SET_STATE.get(a["param"])
-        if handler is None or self.profile.drm_minor < handler[1]:
-            raise fail(errno.EOPNOTSUPP, op, "Not supported request parameter")
+        handler = self._param_handler(_SET_STATE, a["param"], op)
         with self.lock:
-            getattr(self, handler[0])(a, op)
+            handler(a, op)
 
     def _set_power_mode(self, a: dict, op: str) -> None:
         request = L.set_power_mode.unpack(usermem.read(a["buffer"], L.set_power_mode.size, op + " buffer"))
@@ -1327,12 +1353,6 @@ class EmuDevice:
         if any(request["pad"]):
             raise fail(errno.EINVAL, op, "pad must be 0")
         self.preempt_state[key] = request["state"]
-
-    def _set_force_preempt(self, a: dict, op: str) -> None:
-        self._set_preempt("force", a, op)
-
-    def _set_frame_boundary_preempt(self, a: dict, op: str) -> None:
-        self._set_preempt("frame_boundary", a, op)
 
     # --- syncobjs (spec 5, rule D8) ---
 
@@ -1465,13 +1485,14 @@ class EmuDevice:
             self.clients.remove(client)
 
 
-# Dispatch tables: param -> (method, minimum DRM minor) (spec 10, 11).
+# Dispatch tables: param -> (method, minimum DRM minor, leading arguments) (spec 10, 11).
 _GET_INFO = {0: ("_info_aie_status", 0), 1: ("_info_aie_metadata", 0), 2: ("_info_aie_version", 0),
              3: ("_info_clock_metadata", 0), 4: ("_info_sensors", 0), 5: ("_info_hw_contexts", 0),
              8: ("_info_firmware_version", 0), 9: ("_info_power_mode", 0), 10: ("_info_telemetry", 5),
-             11: ("_info_force_preempt", 6), 12: ("_info_resource", 4), 13: ("_info_frame_boundary_preempt", 6)}
+             11: ("_info_preempt", 6, "force"), 12: ("_info_resource", 4), 13: ("_info_preempt", 6, "frame_boundary")}
 _GET_ARRAY = {0: ("_array_hwctx_all", 1), 2: ("_array_async_err", 2), 6: ("_array_bo_usage", 8)}
-_SET_STATE = {0: ("_set_power_mode", 0), 3: ("_set_force_preempt", 6), 4: ("_set_frame_boundary_preempt", 6)}
+_SET_STATE = {0: ("_set_power_mode", 0), 3: ("_set_preempt", 6, "force"),
+              4: ("_set_preempt", 6, "frame_boundary")}
 
 
 def map_priority(priority: int) -> int:

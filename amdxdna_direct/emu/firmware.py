@@ -32,7 +32,7 @@ import numpy as np
 
 from . import txn
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault
-from .models import Model, ModelRegistry, stream_digest
+from .models import Model, ModelRegistry, model_name, stream_digest
 
 logger = logging.getLogger("amdxdna_direct.emu")
 
@@ -226,8 +226,10 @@ class Firmware:
     """
 
     def __init__(self, device, *, tdr_timeout: float = 2.0):
-        """Raises:
-        ValueError: a non-positive TDR timeout or a device profile without a TXN generation.
+        """Firmware of `device` (an EmuDevice) with a TDR of `tdr_timeout` seconds; lanes start on demand.
+
+        Raises:
+            ValueError: a non-positive TDR timeout or a profile whose TXN generation is not positive.
         """
         if not tdr_timeout > 0:
             raise ValueError(f"tdr_timeout must be > 0 seconds, got {tdr_timeout!r}")
@@ -312,7 +314,7 @@ class Firmware:
 
     def _start_lane(self, ctx) -> _Lane:
         lane = _Lane(ctx)
-        name = f"emu-ctx{getattr(ctx, 'handle', '?')}"
+        name = f"emu-ctx{ctx.handle}"
         lane.engine = _Engine(f"{name}-engine", lane.cond)
         lane.worker = threading.Thread(target=self._work_loop, args=(lane,), name=name, daemon=True)
         self._lanes[id(ctx)] = lane
@@ -468,7 +470,10 @@ class Firmware:
         return Dispatch(bo, ERT_START_NPU, cu, regmap, CHAIN_SLOT_NPU + 4 * args_words, instr, size)
 
     def _cmd_bo(self, job, handle: int) -> Bo:
-        bo = _lookup_bo(job, handle)
+        # A chain names its sub-commands by handle, looked up when the job runs (spec 6.5), under the
+        # driver's lock as the user may be closing handles meanwhile.
+        with job.device.lock:
+            bo = job.ctx.fd.bos.get(handle)
         if bo is None or bo.kind != AMDXDNA_BO_CMD:
             raise MalformedCommand(f"chain entry {handle} is not a command BO of this fd")
         return bo
@@ -503,9 +508,9 @@ class Firmware:
         if error is None:
             return ERT_CMD_STATE_COMPLETED
         if isinstance(error, DeviceFault):
-            logger.error("%s: device fault in %s: %s", _job_name(job), getattr(work.model, "name", "model"), error)
+            logger.error("%s: device fault in %s: %s", _job_name(job), model_name(work.model), error)
         else:
-            logger.error("%s: model %s raised", _job_name(job), getattr(work.model, "name", "model"),
+            logger.error("%s: model %s raised", _job_name(job), model_name(work.model),
                          exc_info=error)
         return ERT_CMD_STATE_ERROR
 
@@ -514,18 +519,22 @@ class Firmware:
         bo, offset = job.memory.resolve(instr, nbytes)
         if bo.kind != AMDXDNA_BO_DEV:
             raise FirmwareError(f"instruction stream at {instr:#x} is in a {bo.kind_name} BO, not in the heap window")
-        stream = bytes(bo.mem[offset:offset + nbytes])
+        stream = bo.mem[offset:offset + nbytes]     # hashed in place; copied only when first walked
         digest = stream_digest(stream)
         program = self._walk(digest, stream)
         args = _patched_args(job.memory, program, slots)
         return Work(digest, program, args, self.models.lookup(digest))
 
-    def _walk(self, digest: str, stream: bytes) -> txn.TxnProgram:
-        """Walk a stream once per digest (a walk depends only on the bytes and the device generation)."""
+    def _walk(self, digest: str, stream: memoryview) -> txn.TxnProgram:
+        """Walk a stream once per digest (a walk depends only on the bytes and the device generation).
+
+        Raises:
+            txn.TxnError: the stream is malformed or for another device generation.
+        """
         with self._lock:
             program = self._programs.get(digest)
         if program is None:
-            program = txn.walk(stream, self.dev_gen)
+            program = txn.walk(bytes(stream), self.dev_gen)
             with self._lock:
                 if len(self._programs) >= PROGRAM_CACHE:
                     self._programs.pop(next(iter(self._programs)))
@@ -553,18 +562,14 @@ class Firmware:
 
 
 def _txn_dev_gen(device) -> int:
-    gen = getattr(device.profile, "txn_dev_gen", None)
+    gen = device.profile.txn_dev_gen
     if not isinstance(gen, int) or gen <= 0:
         raise ValueError(f"profile {device.profile.name!r} has no TXN device generation")
     return gen
 
 
-def _lookup_bo(job, handle: int) -> Bo | None:
-    return job.ctx.fd.bos.get(handle)
-
-
 def _job_name(job) -> str:
-    return f"hwctx {getattr(job.ctx, 'handle', '?')} seq {job.seq}"
+    return f"hwctx {job.ctx.handle} seq {job.seq}"
 
 
 def _configured_cu(ctx, masks: tuple[int, ...]) -> int:
@@ -645,19 +650,14 @@ def _set_state(mem: memoryview, state: int) -> None:
     struct.pack_into("<I", mem, 0, (header & ~0xF & 0xFFFFFFFF) | state)
 
 
-def _payload_bytes(mem: memoryview) -> int:
-    count = decode_header(struct.unpack_from("<I", mem)[0])[2]
-    return min(4 * count, len(mem) - 4)
-
-
 def _fill_payload(mem: memoryview) -> None:
-    """0xFF over everything after the header (spec 6.6, the 2026-02 "fill invalid payload" fix)."""
-    n = _payload_bytes(mem)
-    mem[4:4 + n] = b"\xff" * n
+    """0xFF over everything after the header, to the end of the BO (spec 6.6, the 2026-02 "fill invalid
+    payload" fix), whatever the header's count says."""
+    mem[4:] = b"\xff" * (len(mem) - 4)
 
 
 def _write_health(mem: memoryview, txn_op_idx: int) -> None:
     """The context-health record at the start of the payload (spec 6.6, xrt-npu-sequence.md 1.9)."""
-    if _payload_bytes(mem) >= CTX_HEALTH_BYTES:
+    if len(mem) - 4 >= CTX_HEALTH_BYTES:
         # version, npu_gen, txn_op_idx, ctx_pc, fatal_error_{type, exception_type, exception_pc, app_module}
         struct.pack_into("<8I", mem, 4, CTX_HEALTH_V1, NPU_GEN_AIE2, txn_op_idx, 0, 0, 0, 0, 0)

@@ -73,10 +73,18 @@ class Bo:
 
 
 def new_backing(size: int, name: str) -> tuple[int, object, memoryview]:
-    """A memfd of `size` bytes and the kernel's writable view of it: (memfd, mmap object, memoryview)."""
+    """A memfd of `size` bytes and the kernel's writable view of it: (memfd, mmap object, memoryview).
+
+    Raises:
+        OSError: memfd_create, ftruncate or mmap failed (the memfd is closed again).
+    """
     memfd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.ftruncate(memfd, size)
-    mapping = _mmap.mmap(memfd, size, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    try:
+        os.ftruncate(memfd, size)
+        mapping = _mmap.mmap(memfd, size, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    except OSError:
+        os.close(memfd)
+        raise
     return memfd, mapping, memoryview(mapping)
 
 

@@ -78,7 +78,7 @@ class ModelRegistry:
         with self._lock:
             bound = self._models.get(digest)
             if bound is not None and not _same_model(bound, model):
-                raise ValueError(f"stream {digest} is already bound to model {_model_name(bound)!r}")
+                raise ValueError(f"stream {digest} is already bound to model {model_name(bound)!r}")
             self._models.setdefault(digest, model)
         return digest
 
@@ -111,7 +111,8 @@ def _same_model(a: object, b: object) -> bool:
     return a is b or (type(a) is type(b) and type(a) in _BUILTIN_MODELS and repr(a) == repr(b))
 
 
-def _model_name(model: object) -> str:
+def model_name(model: object) -> str:
+    """A model's `name`, or its type name for a plain callable (log lines and binding errors)."""
     return getattr(model, "name", type(model).__name__)
 
 
@@ -200,8 +201,10 @@ class Gemm:
     """
 
     def __init__(self, m: int, k: int, n: int, lda: int, b_layout: str = "kn"):
-        """Raises:
-        ValueError: non-positive sizes or a layout that does not fit them.
+        """A GEMM of A (m x k, rows lda elements apart) by B (k x n, packed per `b_layout`).
+
+        Raises:
+            ValueError: non-positive sizes or a layout that does not fit them.
         """
         _positive(m=m, k=k, n=n, lda=lda)
         self.m, self.k, self.n, self.lda = m, k, n, lda
@@ -257,8 +260,10 @@ class Mha:
     """o[h] = softmax(q[h] @ k[h]^T / sqrt(d)) @ v[h], each [heads][seq][d] bf16; args 0..3 = q, k, v, o."""
 
     def __init__(self, heads: int, seq: int, d: int):
-        """Raises:
-        ValueError: non-positive sizes.
+        """Attention over `heads` heads of `seq` tokens of width `d`.
+
+        Raises:
+            ValueError: non-positive sizes.
         """
         _positive(heads=heads, seq=seq, d=d)
         self.heads, self.seq, self.d = heads, seq, d
@@ -318,8 +323,10 @@ class Elementwise:
     """
 
     def __init__(self, fn: str, elems: int, eps: float = 1e-6, n: int | None = None):
-        """Raises:
-        ValueError: unknown fn, non-positive elems, or layernorm without an `n` dividing elems.
+        """`fn` over `elems` bf16 values (layernorm: groups of `n` with `eps`).
+
+        Raises:
+            ValueError: unknown fn, non-positive elems, or layernorm without an `n` dividing elems.
         """
         if fn not in ELEMENTWISE_FNS:
             raise ValueError(f"unknown element-wise fn {fn!r} (one of {', '.join(ELEMENTWISE_FNS)})")
