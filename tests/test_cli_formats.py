@@ -190,7 +190,7 @@ def test_insts_text_listing_has_word_offsets(capsys):
 def test_missing_file_exits_1_with_errno_name(capsys, command, tmp_path):
     assert main([command, str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
-    assert f"amdxdna {command}: " in err and "No such file or directory (ENOENT)" in err
+    assert f"amdxdna {command}: " in err and "ENOENT (No such file or directory)" in err
     assert "Traceback" not in err
 
 

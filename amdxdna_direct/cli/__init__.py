@@ -9,18 +9,23 @@ Exit codes: 0 success, 1 failure (message on stderr), 2 usage error. The two fil
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import json
+import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["SUBCOMMANDS", "add_file_parser", "build_parser", "inspect_file", "main"]
+from ..errors import errno_text
+
+__all__ = ["SUBCOMMANDS", "DEVICE_ENV", "add_device_option", "add_file_parser", "build_parser", "command_parser",
+           "device_spec", "inspect_file", "main"]
 
 SUBCOMMANDS = ("xclbin_cmd", "insts_cmd", "info_cmd", "doctor_cmd", "run_cmd", "trace_cmd")
 
 EXIT_USAGE = 2
+DEVICE_ENV = "AMDXDNA_DEVICE"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +79,46 @@ def inspect_file(name: str, args: argparse.Namespace, load: Callable[[str], Any]
         print(f"{command}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"{command}: {exc.strerror or exc} ({errno.errorcode.get(exc.errno, exc.errno)})", file=sys.stderr)
+        print(f"{command}: {errno_text(exc.errno) if exc.errno else exc}", file=sys.stderr)
         return 1
     print(json.dumps(describe(decoded), indent=2) if args.json else render(decoded))
     return 0
+
+
+def command_parser(subparsers, name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand parser: one-line ``summary`` for ``amdxdna --help``, ``description`` wrapped, ``epilog`` as is.
+
+    Shared by the device commands (info, doctor, run, trace) so their help reads the same.
+    """
+    return subparsers.add_parser(name, help=summary, description=textwrap.fill(description, 100), epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def device_spec(text: str) -> str:
+    """Check a ``--device`` value (an argparse ``type``): what :func:`open_device` takes as a string.
+
+    A node path is only checked when opened (the open names the errno); an emulator spec is checked
+    here, so that a mistyped profile is a usage error (exit 2) rather than a failed device.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty value, or ``emu:<profile>`` with an unknown profile.
+    """
+    from ..emu import PROFILES
+
+    if not text:
+        raise argparse.ArgumentTypeError("empty device: expected /dev/accel/accelN, emu or emu:<profile>")
+    kind, _, profile = text.partition(":")
+    if kind == "emu" and profile and profile not in PROFILES:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown emulator profile {profile!r} "
+                                         f"(profiles: {', '.join(sorted(PROFILES))})")
+    return text
+
+
+def add_device_option(parser: argparse.ArgumentParser, what: str, default: str, from_env: bool = True) -> None:
+    """``--device DEV`` (checked by :func:`device_spec`); ``from_env`` takes ``$AMDXDNA_DEVICE`` as default.
+
+    argparse runs ``type`` on a string default too, so a bad ``$AMDXDNA_DEVICE`` is a usage error as well.
+    """
+    parser.add_argument("--device", metavar="DEV", type=device_spec,
+                        default=(os.environ.get(DEVICE_ENV) or None) if from_env else None,
+                        help=f"{what}: /dev/accel/accelN, emu, emu:npu1, emu:npu4, ... (default: {default})")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from .. import doctor
-from .info_cmd import DEVICE_ENV, add_device_option, command_parser, device_spec
+from . import DEVICE_ENV, add_device_option, command_parser, device_spec
 
 __all__ = ["add_parser", "run", "format_results"]
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,10 @@ from typing import Any
 from .. import doctor, open_device
 from ..device import Device, pci_generation
 from ..errors import XdnaError
+from . import add_device_option, command_parser
 
-__all__ = ["collect", "format_info", "sysfs_pci", "command_parser", "device_spec", "add_device_option", "add_parser",
-           "run"]
+__all__ = ["collect", "format_info", "sysfs_pci", "add_parser", "run"]
 
-DEVICE_ENV = "AMDXDNA_DEVICE"
 NOT_SUPPORTED = "not supported by this driver"
 DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdxdna_device_type (spec 3)
 
@@ -34,45 +31,6 @@ exit codes:
   0    the device was opened and every query answered (a query this driver lacks is reported, not a failure)
   1    the device could not be opened, or a query failed (message on stderr; `amdxdna doctor` says why)
   2    usage error (bad option; unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
-
-
-def command_parser(subparsers, name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
-    """A subcommand parser: one-line ``summary`` for ``amdxdna --help``, ``description`` wrapped, ``epilog`` as is.
-
-    Shared by the device commands (info, doctor, run, trace) so their help reads the same.
-    """
-    return subparsers.add_parser(name, help=summary, description=textwrap.fill(description, 100), epilog=epilog,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-
-
-def device_spec(text: str) -> str:
-    """Check a ``--device`` value (an argparse ``type``): what :func:`open_device` takes as a string.
-
-    A node path is only checked when opened (the open names the errno); an emulator spec is checked
-    here, so that a mistyped profile is a usage error (exit 2) rather than a failed device.
-
-    Raises:
-        argparse.ArgumentTypeError: an empty value, or ``emu:<profile>`` with an unknown profile.
-    """
-    from ..emu import PROFILES
-
-    if not text:
-        raise argparse.ArgumentTypeError("empty device: expected /dev/accel/accelN, emu or emu:<profile>")
-    kind, _, profile = text.partition(":")
-    if kind == "emu" and profile and profile not in PROFILES:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown emulator profile {profile!r} "
-                                         f"(profiles: {', '.join(sorted(PROFILES))})")
-    return text
-
-
-def add_device_option(parser: argparse.ArgumentParser, what: str, default: str, from_env: bool = True) -> None:
-    """``--device DEV`` (checked by :func:`device_spec`); ``from_env`` takes ``$AMDXDNA_DEVICE`` as default.
-
-    argparse runs ``type`` on a string default too, so a bad ``$AMDXDNA_DEVICE`` is a usage error as well.
-    """
-    parser.add_argument("--device", metavar="DEV", type=device_spec,
-                        default=(os.environ.get(DEVICE_ENV) or None) if from_env else None,
-                        help=f"{what}: /dev/accel/accelN, emu, emu:npu1, emu:npu4, ... (default: {default})")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

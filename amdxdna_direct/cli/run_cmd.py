@@ -30,7 +30,7 @@ from ..emu.models import Gemm, Passthrough
 from ..errors import XdnaError, errno_text
 from ..kernel import Run
 from ..xclbin import Xclbin
-from .info_cmd import add_device_option, command_parser
+from . import add_device_option, command_parser
 
 __all__ = ["BufferSpec", "parse_buffer", "parse_model", "assign_slots", "add_parser", "run"]
 

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
-from ..errors import errno_text
-from .info_cmd import DEVICE_ENV, add_device_option, command_parser
+from ..errors import errno_text, format_fields
+from . import DEVICE_ENV, add_device_option, command_parser
 
 __all__ = ["TraceRecord", "parse_line", "parse_fields", "summarise", "format_summary", "add_parser", "run"]
 
@@ -64,8 +64,8 @@ class TraceRecord:
 
     def format(self) -> str:
         """One line: ``NAME(fields) -> result {changed} 12.3us`` or ``... -> ENAME (text) 12.3us``."""
-        outcome = f"{self.result} {{{_join(self.changed)}}}" if self.error == "" else self.error
-        return f"{self.device} {self.name}({_join(self.fields)}) -> {outcome} {self.seconds * 1e6:.1f}us"
+        outcome = f"{self.result} {{{format_fields(self.changed)}}}" if self.error == "" else self.error
+        return f"{self.device} {self.name}({format_fields(self.fields)}) -> {outcome} {self.seconds * 1e6:.1f}us"
 
 
 _FIELD_SPLIT = re.compile(r", (?=\w+=)")
@@ -79,10 +79,6 @@ def parse_fields(text: str) -> dict[str, int | str]:
         key, _, value = item.partition("=")
         fields[key] = int(value, 0) if _INT.fullmatch(value) else value
     return fields
-
-
-def _join(fields: dict[str, int | str]) -> str:
-    return ", ".join(f"{k}={hex(v) if isinstance(v, int) and v > 0xFFFF else v}" for k, v in fields.items())
 
 
 def parse_line(text: str) -> TraceRecord | None:
