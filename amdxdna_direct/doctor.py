@@ -27,9 +27,9 @@ import numpy as np
 
 from . import abi
 from . import insts as insts_mod
-from .device import Device, open_device, pci_generation, release_steps
+from .device import Device, open_device, pci_generation
 from .errors import ContextUnavailableError, XdnaError, errno_text
-from .hwctx import QOS_BUFFER_SIZE
+from .hwctx import create_hwctx, release_context
 from .insts import BlockWrite, DdrPatch
 from .xclbin import Xclbin, build_mlir_aie
 
@@ -488,39 +488,16 @@ def _context_load(dev: Device) -> tuple[list[Any], int | None, str]:
         return live, CONTEXT_LIMITS.get(dev.generation or ""), ""
 
 
-# struct amdxdna_qos_info as the out-of-tree driver reads it: u32 user_start_col at byte 24, 0xFF = not
-# requested (spec amdxdna-uapi.md 12); the same buffer the runtime passes (hwctx.QOS_BUFFER_SIZE bytes).
-QOS_USER_START_COL = slice(24, 28)
-USER_START_COL_NONE = 0xFF
-
-
 def _probe_context(dev: Device) -> None:
-    """CREATE_HWCTX of one column with a zero QoS (so max_opc 0, spec 9 step 4), then its release.
+    """CREATE_HWCTX of one column with the runtime's QoS and max_opc 0 (spec 9 step 4), then its release.
 
     Raises:
         ContextUnavailableError: the firmware or the columns have no room (ENODEV / EINVAL / EBUSY).
         XdnaError: another failure of the heap, the query or an ioctl.
     """
     dev.ensure_heap()  # CREATE_HWCTX needs a mapped heap on this fd (spec 4.1 step 3)
-    ffi = abi.ffi
-    qos = ffi.new("uint8_t[]", QOS_BUFFER_SIZE)
-    ffi.buffer(qos)[QOS_USER_START_COL] = USER_START_COL_NONE.to_bytes(4, "little")
-    num_tiles = dev.aie_metadata().core.row_count
-    req = abi.new("struct amdxdna_drm_create_hwctx", qos_p=abi.address_of(qos), num_tiles=num_tiles)
-    dev.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, {"num_tiles": num_tiles, "max_opc": 0})
-    handle, syncobj = req.handle, req.syncobj_handle
-
-    # XRT order (spec 4.2): the driver leaves the syncobj to userspace, destroyed before the context.
-    def destroy_syncobj() -> None:
-        if syncobj:
-            dev.file.ioctl(abi.DRM_IOCTL_SYNCOBJ_DESTROY, abi.new("struct drm_syncobj_destroy", handle=syncobj),
-                           {"handle": syncobj})
-
-    def destroy_context() -> None:
-        dev.file.ioctl(abi.DRM_IOCTL_AMDXDNA_DESTROY_HWCTX,
-                       abi.new("struct amdxdna_drm_destroy_hwctx", handle=handle), {"handle": handle})
-
-    release_steps(destroy_syncobj, destroy_context)
+    handle, syncobj = create_hwctx(dev, dev.aie_metadata().core.row_count, 0)
+    release_context(dev.file, handle, syncobj)
 
 
 SELF_TEST_BYTES = 4096

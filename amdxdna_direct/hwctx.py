@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .device import Device
     from .kernel import Kernel, Run, RunList
 
-__all__ = ["HwContext", "ComputeUnit", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin"]
+__all__ = ["HwContext", "ComputeUnit", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin", "create_hwctx",
+           "release_context"]
 
 # Out-of-tree drivers copy a 32-byte qos_info (adds user_start_col, reserved), upstream 24 bytes:
 # a 32-byte buffer works with both (spec amdxdna-uapi.md 12). user_start_col 0xFF = "not requested".
@@ -68,6 +69,29 @@ def as_xclbin(xclbin: Any) -> Any:
     if isinstance(xclbin, Xclbin):
         return xclbin
     return Xclbin.load(xclbin)
+
+
+def create_hwctx(device: Device, num_tiles: int, max_opc: int, priority: int = 0) -> tuple[int, int]:
+    """CREATE_HWCTX with the 32-byte QoS buffer (priority at its offset, user_start_col "not requested");
+    returns (context handle, timeline syncobj handle). The driver copies the QoS during the call.
+
+    Raises:
+        ContextUnavailableError: the device has no room (ENODEV / EINVAL / EBUSY).
+        XdnaError: another failure (the heap is grown and the call retried on EAGAIN).
+    """
+    ffi = abi.ffi
+    qos_buf = ffi.new("uint8_t[]", QOS_BUFFER_SIZE)
+    qos = np.frombuffer(ffi.buffer(qos_buf), np.uint32)
+    qos[_QOS_PRIORITY_OFFSET // 4] = priority
+    qos[_QOS_USER_START_COL_OFFSET // 4] = _USER_START_COL_NONE
+    req = abi.new("struct amdxdna_drm_create_hwctx", qos_p=abi.address_of(qos_buf), max_opc=max_opc,
+                  num_tiles=num_tiles)
+    fields = {"num_tiles": num_tiles, "max_opc": max_opc}
+    if priority:
+        fields["priority"] = priority
+    # A context takes 4 x 32 KiB of heap for its command lists (spec 4.1): short heap, grow it.
+    device.growing_heap(lambda: device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
+    return req.handle, req.syncobj_handle
 
 
 def _select_kernels(xclbin: Any, kernel: str | None) -> list[tuple[Any, bytes]]:
@@ -143,36 +167,19 @@ class HwContext:
         self._runs: weakref.WeakSet[Run | RunList] = weakref.WeakSet()
         self._closed = False
         self.cus: list[ComputeUnit] = []
-        self.handle, self.syncobj = self._create()
+        self.handle, self.syncobj = create_hwctx(device, self.num_tiles, self.max_opc, self.priority)
         try:
             self._configure(chosen)
         except BaseException:
-            _release_context(device.file, self.handle, self.syncobj, [cu.pdi for cu in self.cus])
+            release_context(device.file, self.handle, self.syncobj, [cu.pdi for cu in self.cus])
             raise
         # Registered after the PDI buffers so that device close (newest first) destroys the context
         # before its PDIs.
-        self._release = device.file.register(_release_context, device.file, self.handle, self.syncobj,
+        self._release = device.file.register(release_context, device.file, self.handle, self.syncobj,
                                              [cu.pdi for cu in self.cus])
         self._finalizer = weakref.finalize(self, release_quietly, self._release, "hardware context")
 
     # -- bring-up ------------------------------------------------------------------------------
-
-    def _create(self) -> tuple[int, int]:
-        ffi = abi.ffi
-        self._qos = ffi.new("uint8_t[]", QOS_BUFFER_SIZE)
-        qos = np.frombuffer(ffi.buffer(self._qos), np.uint32)
-        qos[_QOS_PRIORITY_OFFSET // 4] = self.priority
-        qos[_QOS_USER_START_COL_OFFSET // 4] = _USER_START_COL_NONE
-        req = ffi.new("struct amdxdna_drm_create_hwctx *")
-        req.qos_p = int(ffi.cast("uintptr_t", self._qos))
-        req.max_opc = self.max_opc
-        req.num_tiles = self.num_tiles
-        fields = {"num_tiles": self.num_tiles, "max_opc": self.max_opc}
-        if self.priority:
-            fields["priority"] = self.priority
-        # A context takes 4 x 32 KiB of heap for its command lists (spec 4.1): short heap, grow it.
-        self.device.growing_heap(lambda: self.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
-        return req.handle, req.syncobj_handle
 
     def _configure(self, chosen: Sequence[tuple[Any, bytes]]) -> None:
         for index, (kernel, pdi) in enumerate(chosen):
@@ -330,7 +337,12 @@ def _destroy_hwctx(file: DeviceFile, handle: int) -> None:
     file.ioctl(abi.DRM_IOCTL_AMDXDNA_DESTROY_HWCTX, req, {"handle": handle})
 
 
-def _release_context(file: DeviceFile, handle: int, syncobj: int, pdis: list[Bo]) -> None:
+def release_context(file: DeviceFile, handle: int, syncobj: int, pdis: Sequence[Bo] = ()) -> None:
+    """SYNCOBJ_DESTROY, DESTROY_HWCTX, then close the PDI buffers; every step runs.
+
+    Raises:
+        XdnaError: the first step that failed (the rest still ran).
+    """
     # XRT order (spec 1.10): the syncobj belongs to userspace and goes first; DESTROY_HWCTX waits
     # for the context to idle; the PDIs the firmware context used are freed last.
     release_steps(lambda: _destroy_syncobj(file, syncobj), lambda: _destroy_hwctx(file, handle),
