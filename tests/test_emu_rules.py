@@ -727,6 +727,24 @@ def test_rule_I6(raw):
     assert raw.get_info(GET_POWER_MODE, 8)[0][0] == 4
 
 
+def test_preemption_attributes_round_trip():
+    """SET_STATE 3/4 and GET_INFO 11/13 (0.6): state 0/1 with zero pad, per attribute (spec 10)."""
+    force_get, frame_get, force_set, frame_set = 11, 13, 3, 4
+    with emu_device("npu4", cap_sys_admin=True) as device:
+        raw = Raw(device.open())
+        set_state(raw, force_set, bytes([1]) + bytes(7))
+        assert (raw.get_info(force_get, 8)[0][0], raw.get_info(frame_get, 8)[0][0]) == (1, 0)
+        set_state(raw, frame_set, bytes([1]) + bytes(7))
+        assert raw.get_info(frame_get, 8)[0][0] == 1
+        assert errno_of(set_state, raw, force_set, bytes([2]) + bytes(7)) == errno.EINVAL
+        assert errno_of(set_state, raw, force_set, bytes([0, 1]) + bytes(6)) == errno.EINVAL
+        assert raw.get_info(force_get, 8)[0][0] == 1                    # refused requests change nothing
+    with emu_device("npu4", cap_sys_admin=True, drm_minor=5) as older:
+        raw = Raw(older.open())
+        assert errno_of(raw.get_info, force_get, 8) == errno.EOPNOTSUPP
+        assert errno_of(set_state, raw, force_set, bytes(8)) == errno.EOPNOTSUPP
+
+
 # ---------------------------------------------------------------------------------------------- lifetime
 
 def test_counters_back_to_zero_after_error_paths():

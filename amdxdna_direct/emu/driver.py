@@ -65,7 +65,6 @@ MAX_CONFIG_CU_SIZE = 4096
 MAX_CUS = 32
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (spec 4.4, 7)
 DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (spec 4.4 staging)
-DESTROY_WAIT_S = 2.0                # DESTROY_HWCTX waits this long for the last job (spec 4.2)
 ERT_STATE_COMPLETED = 4
 AMDXDNA_CMD_SUBMIT_EXEC_BUF = 0
 SYNC_DIRECT_FROM_DEVICE = 1
@@ -258,9 +257,13 @@ class HwCtx:
     dbg_bos: list[Bo] = field(default_factory=list)
     stats: collections.Counter = field(default_factory=collections.Counter)
     next_seq: int = 0
-    inflight: int = 0
-    fences: dict[int, Fence] = field(default_factory=dict)   # seq -> fence of jobs (for WAIT_CMD)
+    fences: dict[int, Fence] = field(default_factory=dict)   # seq -> fence of the jobs in flight
     destroyed: bool = False
+
+    @property
+    def inflight(self) -> int:
+        """Jobs submitted and not yet ended (at most HWCTX_MAX_CMDS, spec 4.7 step 6)."""
+        return len(self.fences)
 
 
 class Job:
@@ -297,8 +300,7 @@ class Job:
             if state != ERT_STATE_COMPLETED:
                 self.ctx.stats["errors"] += 1
             self.fence.signalled = True
-            self.ctx.fences.pop(self.seq, None)
-            self.ctx.inflight -= 1
+            del self.ctx.fences[self.seq]
             for bo in (self.cmd_bo, *self.arg_bos):
                 dev.unref_bo(bo)
             dev.cond.notify_all()
@@ -1144,7 +1146,6 @@ class EmuDevice:
         fence = Fence()
         ctx.syncobj.add(seq, fence)
         ctx.fences[seq] = fence
-        ctx.inflight += 1
         ctx.stats["submissions"] += 1
         # The job owns the references EXEC_CMD took until Job.complete drops them (spec 4.7 step 4, rule D7).
         self.firmware.submit(Job(self, ctx, seq, cmd_bo, arg_bos, fence))

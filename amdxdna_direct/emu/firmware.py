@@ -608,7 +608,8 @@ def _regmap(dispatch: Dispatch) -> tuple[int, int, dict[int, int]]:
     elif len(regmap) < REGMAP_SLOTS:
         raise FirmwareError(f"regmap of {len(regmap)} bytes lacks opcode, instr and ninstr ({REGMAP_SLOTS} bytes)")
     else:
-        instr, ninstr = struct.unpack_from("<QI", regmap, REGMAP_INSTR)
+        instr = struct.unpack_from("<Q", regmap, REGMAP_INSTR)[0]
+        ninstr = struct.unpack_from("<I", regmap, REGMAP_NINSTR)[0]
         nbytes = 4 * ninstr
         if ninstr == 0:
             raise FirmwareError("regmap ninstr is 0")
