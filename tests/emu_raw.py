@@ -5,6 +5,10 @@ Structs are packed by hand with ``struct`` from `spec/abi-facts-amdxdna.txt` and
 `spec/amdxdna-uapi.md` section 1, and user memory is plain ctypes memory whose address goes into the
 structs as a user pointer. Nothing here goes through `amdxdna_direct.abi`: the tests must check the
 emulator against the ABI facts, not against the binding.
+
+Also shared by the emulator tests: `call` and `errno_of` check every driver error's message (it names the
+ioctl and the errno), `emu_device` closes a device and checks nothing it handed out is left, and `Gate`
+is a model that holds a job open.
 """
 
 from __future__ import annotations

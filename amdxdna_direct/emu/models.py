@@ -239,7 +239,7 @@ class Gemm:
         a = np.lib.stride_tricks.as_strided(a_raw, shape=(self.m, self.k), strides=(self.lda * a_raw.itemsize,
                                             a_raw.itemsize), writeable=False)
         product = a.astype(np.float32) @ self._b_matrix(b_raw)
-        c_raw.reshape(self.m, self.n)[...] = product.astype(BF16)
+        c_raw.reshape(self.m, self.n)[...] = product          # cast to bf16 (round to nearest even) in place
 
     def _b_matrix(self, b: np.ndarray) -> np.ndarray:
         """B as an fp32 [k][n] matrix from its packed layout."""
@@ -290,24 +290,41 @@ class Mha:
             vh = v[h].astype(np.float32)
             for start in range(0, self.seq, _MHA_QUERY_BLOCK):
                 rows = slice(start, start + _MHA_QUERY_BLOCK)
-                scores = (q[h, rows].astype(np.float32) @ kt) * scale
+                scores = q[h, rows].astype(np.float32) @ kt
+                scores *= scale
                 scores -= scores.max(axis=1, keepdims=True)
                 np.exp(scores, out=scores)
                 scores /= scores.sum(axis=1, keepdims=True)
-                out[h, rows] = (scores @ vh).astype(BF16)
+                out[h, rows] = scores @ vh
 
     def __repr__(self) -> str:
         return f"Mha({self.heads}, {self.seq}, {self.d})"
 
 
+# The unary functions take the model's own fp32 copy and may overwrite it: one temporary at most, as the
+# SAM3-sized demo runs them over tens of millions of elements.
+
 def _gelu(x: np.ndarray) -> np.ndarray:
-    # The tanh approximation (sam3-bundle.md 6).
-    inner = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    # The tanh approximation (sam3-bundle.md 6): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    t = x * x
+    t *= x
+    t *= np.float32(0.044715)
+    t += x
+    t *= np.float32(math.sqrt(2.0 / math.pi))
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= x
+    t *= np.float32(0.5)
+    return t
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    # x / (1 + exp(-x))
+    t = np.negative(x)
+    np.exp(t, out=t)
+    t += np.float32(1.0)
+    np.divide(x, t, out=t)
+    return t
 
 
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {"gelu": _gelu, "silu": _silu, "copy": lambda x: x}
@@ -351,16 +368,18 @@ class Elementwise:
         xs = [_bf16(_need(args, i, nbytes, f"input {j}", self.name)).astype(np.float32)
               for j, i in enumerate(order[:inputs])]
         out = _bf16(_need(args, order[-1], nbytes, "output", self.name))
-        out[...] = self._compute(xs).astype(BF16)
+        out[...] = self._compute(xs)
 
     def _compute(self, xs: list[np.ndarray]) -> np.ndarray:
         if self.fn == "add":
-            return xs[0] + xs[1]
+            xs[0] += xs[1]
+            return xs[0]
         if self.fn == "layernorm":
-            groups = xs[0].reshape(-1, self.n)
-            centred = groups - groups.mean(axis=1, keepdims=True)
-            var = (centred * centred).mean(axis=1, keepdims=True)
-            return (centred / np.sqrt(var + np.float32(self.eps))).reshape(-1)
+            centred = xs[0].reshape(-1, self.n)
+            centred -= centred.mean(axis=1, keepdims=True)
+            var = np.square(centred).mean(axis=1, keepdims=True)
+            centred /= np.sqrt(var + np.float32(self.eps))
+            return centred.reshape(-1)
         return _UNARY[self.fn](xs[0])
 
     def __repr__(self) -> str:
