@@ -13,8 +13,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from fixture_files import SHARED
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
 EMU_SPEC = "emu:npu1"
 

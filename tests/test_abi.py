@@ -26,13 +26,13 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from fixture_files import SHARED
 from pycparser import c_ast, c_parser
 
 from amdxdna_direct import abi
 
 REPO = Path(__file__).resolve().parents[1]
 HEADERS = REPO / "headers"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SPEC = SHARED / "spec"
 FIXTURE_NPU1 = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
 GCC = shutil.which("gcc")

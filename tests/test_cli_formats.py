@@ -13,21 +13,13 @@ import uuid as uuidlib
 from pathlib import Path
 
 import pytest
+from fixture_files import fixture
 
 from amdxdna_direct import xclbin
 from amdxdna_direct.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-FIXTURES = SHARED / "fixtures" / "xdna"
 NPU1 = "mlir-aie-npu1_1col"
-
-
-def fixture(rel: str) -> Path:
-    path = FIXTURES / rel
-    if not path.is_file():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
-    return path
 
 
 def run_json(capsys, *argv: str) -> dict:

@@ -41,6 +41,7 @@ from emu_raw import (
     read_addr,
     write_addr,
 )
+from fixture_files import SHARED
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -50,7 +51,6 @@ from amdxdna_direct.emu.memory import DeviceFault
 from amdxdna_direct.emu.models import Elementwise, Gemm, Mha, ModelRegistry, Passthrough, stream_digest
 
 BF16 = ml_dtypes.bfloat16
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
 NPU2_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu2_1col"
 

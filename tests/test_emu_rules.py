@@ -44,10 +44,10 @@ from emu_raw import (
     unpack,
     write_addr,
 )
+from fixture_files import SHARED
 
 from amdxdna_direct.emu import PROFILES, DeviceFault, EmuDevice, Passthrough
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
 KIB = 1 << 10
 MIB = 1 << 20

@@ -7,22 +7,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from fixture_files import fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from amdxdna_direct import insts
 from amdxdna_direct.cli import insts_cmd
 from amdxdna_direct.insts import BlockWrite, DdrPatch, InstsError, MaskWrite, Stream, Sync, Write32
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-FIXTURES = SHARED / "fixtures" / "xdna"
-
-
-def fixture(rel: str) -> Path:
-    path = FIXTURES / rel
-    if not path.is_file():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
-    return path
 
 
 def words_of(path: Path) -> list[int]:

@@ -6,9 +6,9 @@ import dataclasses
 import json
 import struct
 import uuid as uuidlib
-from pathlib import Path
 
 import pytest
+from fixture_files import fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +26,6 @@ from amdxdna_direct.xclbin import (
     XclbinError,
 )
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-FIXTURES = SHARED / "fixtures" / "xdna"
 ALL_XCLBINS = [
     "mlir-aie-npu1_1col/aie.xclbin",
     "mlir-aie-npu2_1col/final.xclbin",
@@ -36,13 +34,6 @@ ALL_XCLBINS = [
     "amd-npu1/validate_throughput_phx.xclbin",
 ]
 NPU1 = "mlir-aie-npu1_1col"
-
-
-def fixture(rel: str) -> Path:
-    path = FIXTURES / rel
-    if not path.is_file():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
-    return path
 
 
 def oracle(rel: str) -> dict:
