@@ -30,7 +30,7 @@ from conftest import (
     request_of,
     txn_dev_gen,
 )
-from fixture_files import FIXTURES
+from fixture_files import fixture
 
 from amdxdna_direct import Device, RunList, Xclbin, cmd, errors, insts, open_device, xclbin
 from amdxdna_direct.emu import EmuDevice, Gemm
@@ -42,10 +42,10 @@ IN_BYTES = 17 * 4
 BF16 = ml_dtypes.bfloat16
 
 
-def _passthrough(dev, fixture):
+def _passthrough(dev, fixture_dir):
     """(ctx, kernel, stream bytes) for the fixture, with the emulator told what the stream computes."""
-    stream = passthrough_stream(dev, fixture)
-    ctx = dev.hw_context(Xclbin.load(fixture / "aie.xclbin"))
+    stream = passthrough_stream(dev, fixture_dir)
+    ctx = dev.hw_context(Xclbin.load(fixture_dir / "aie.xclbin"))
     return ctx, ctx.kernel(), stream
 
 
@@ -435,7 +435,7 @@ def test_context_geometry_and_regmap_follow_the_xclbin_not_the_mlir_aie_layout()
     DPU_PDI_0 argument layout, hand-decoded from its AIE_PARTITION and EMBEDDED_METADATA XML: opcode u64
     @0, ifm @8, param @0x10, ofm @0x18, inter @0x20, instruct @0x28, nistruct u32 @0x30, mc @0x34."""
     dev, emu, seam = emu_open("npu1")
-    x = Xclbin.load(FIXTURES / "amd-npu1" / "validate_throughput_phx.xclbin")
+    x = Xclbin.load(fixture("amd-npu1/validate_throughput_phx.xclbin"))
     ctx = dev.hw_context(x)                         # the HLS "vadd" kernel has no PDI: only DPU_PDI_0 is a CU
     hwctx = CREATE_HWCTX.unpack_from(next(c[2] for c in seam.calls if c[0] == "ioctl" and c[1] & 0xFF == 0x40))
     assert (hwctx[5], hwctx[6]) == (8192, 16) and [cu.kernel.name for cu in ctx.cus] == ["DPU_PDI_0"]
