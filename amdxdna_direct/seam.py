@@ -64,10 +64,18 @@ class OsSeam:
     def ioctl(self, request: int, buf) -> int:
         """``ioctl(fd, request, buf)`` with results written back into ``buf``.
 
+        Retried after EINTR (as PEP 475 does for other syscalls): the ioctls that block are safe to
+        restart, EXEC_CMD waiting for a free slot has submitted nothing yet (spec amdxdna-uapi.md 4.7)
+        and syncobj waits take an absolute deadline (spec 5). A signal handler that raises still stops it.
+
         Raises:
             OSError: the ioctl failed (errno set by the driver).
         """
-        return fcntl.ioctl(self._live_fd(), request, buf, True)
+        while True:
+            try:
+                return fcntl.ioctl(self._live_fd(), request, buf, True)
+            except InterruptedError:
+                continue
 
     def mmap(self, length: int, offset: int, addr: int = 0) -> int:
         """Map ``length`` bytes of the device at ``offset``, MAP_SHARED (the shmem GEM refuses private
