@@ -762,7 +762,9 @@ def open_device(spec: Any = None) -> Device:
         XdnaError: another failure while opening.
     """
     if spec is None:
-        spec = os.environ.get("AMDXDNA_DEVICE") or _discover()
+        spec = os.environ.get("AMDXDNA_DEVICE")
+        if not spec:
+            return _discover()
     if isinstance(spec, str) and (spec == "emu" or spec.startswith("emu:")):
         from .emu import PROFILES, EmuDevice
 
@@ -794,12 +796,21 @@ def _open_path(path: str) -> OsSeam:
         raise ioctl_error("open", {"path": path}, exc.errno, hint) from exc
 
 
-def _discover() -> str:
+def _discover() -> Device:
+    """The first ``/dev/accel/accel*`` driven by amdxdna: sysfs names the driver where it is readable;
+    where it is not (containers often lack ``/sys/class/accel``), DRM_IOCTL_VERSION decides."""
+    others = []
     for node in sorted(glob.glob("/dev/accel/accel*"), key=_node_number):
-        driver = os.path.join("/sys/class/accel", os.path.basename(node), "device", "driver")
-        if os.path.basename(os.path.realpath(driver)) == "amdxdna":
-            return node
-    raise NoDeviceError(errno.ENODEV, f"open_device(): {errno_text(errno.ENODEV)}; {_NO_DEVICE_HINT}")
+        link = os.path.join("/sys/class/accel", os.path.basename(node), "device", "driver")
+        if os.path.lexists(link) and os.path.basename(os.path.realpath(link)) != "amdxdna":
+            others.append(f"{node} ({os.path.basename(os.path.realpath(link))})")
+            continue
+        try:
+            return Device(_open_path(node))
+        except NoDeviceError as exc:            # VERSION named another driver
+            others.append(str(exc))
+    found = f" (other accel nodes: {'; '.join(others)})" if others else ""
+    raise NoDeviceError(errno.ENODEV, f"open_device(): {errno_text(errno.ENODEV)}{found}; {_NO_DEVICE_HINT}")
 
 
 def _node_number(node: str) -> int:
