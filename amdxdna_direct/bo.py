@@ -8,6 +8,7 @@ parent's handle and are closed with it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -15,18 +16,29 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import abi
-from .device import BoInfo, DeviceFile, create_bo, gem_close, get_bo_info, map_bo, release_quietly, release_steps, unmap
+from .device import (
+    BoInfo,
+    CpuMapping,
+    DeviceFile,
+    create_bo,
+    gem_close,
+    get_bo_info,
+    map_bo,
+    release_quietly,
+    release_steps,
+)
 from .errors import ioctl_error
 
 if TYPE_CHECKING:
     from .device import Device
 
-__all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE"]
+__all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE", "unhold"]
 
 PAGE_SIZE = 4096
 TO_DEVICE = "to_device"
 FROM_DEVICE = "from_device"
 _SUB_ALIGN = 4  # the shim DMA's buffer-descriptor address is word granular (spec 1.5)
+_U64_MAX = (1 << 64) - 1  # CREATE_BO size is a __u64 (spec amdxdna-uapi.md 2)
 
 
 # kind -> (amdxdna_bo_type, its name in messages); XRT's placement (spec amdxdna-uapi.md 7): data in
@@ -37,11 +49,25 @@ KINDS = tuple(_BO_TYPES)
 
 
 class _View:
-    """Exposes a raw range through ``__array_interface__`` and keeps its Bo alive while views exist."""
+    """Exposes a raw range through ``__array_interface__``; keeps its Bo alive and its mappings mapped
+    (``CpuMapping`` defers a close's munmap) while numpy arrays over it exist."""
 
     def __init__(self, bo: Bo, addr: int, nbytes: int) -> None:
         self.bo = bo
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+        self._mappings = bo._mappings
+        for mapping in self._mappings:
+            mapping.add_view()
+
+    def __del__(self) -> None:
+        for mapping in self._mappings:
+            mapping.drop_view()
+
+
+def _int_arg(what: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__}")
+    return int(value)
 
 
 class Bo:
@@ -61,11 +87,12 @@ class Bo:
         """
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
             raise TypeError(f"Bo size must be an int, got {type(size).__name__}")
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise ValueError(f"Bo kind must be one of {KINDS}, got {kind!r}")
         size = int(size)
-        if size <= 0:
-            raise ValueError(f"Bo size must be positive, got {size}")
+        if not 0 < size <= _U64_MAX - PAGE_SIZE + 1:
+            raise ValueError(f"Bo size must be positive and fit CREATE_BO's u64 once page aligned, got {size}")
+        device.file.check_open("CREATE_BO", {"type": _BO_TYPES[kind][1], "size": size})
         self.device = device
         self.size = size
         self.kind = kind
@@ -73,6 +100,8 @@ class Bo:
         self.parent: Bo | None = None
         self._subs: weakref.WeakSet[Bo] = weakref.WeakSet()
         self._closed = False
+        self._release = None
+        self._mappings: list[CpuMapping] = []
         file = device.file
         handle, info, cpu, map_len = _allocate(device, size, kind)
         self.handle = handle
@@ -80,7 +109,9 @@ class Bo:
         self.cpu_address = cpu
         # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
         self.address = info.xdna_addr if info.xdna_addr != abi.AMDXDNA_INVALID_ADDR else cpu
-        self._release = file.register(_release_bo, file, handle, cpu if map_len else 0, map_len)
+        self._mappings = ([CpuMapping(file, cpu, map_len)] if map_len
+                          else device.heap_mappings(cpu, size) if kind == "dev" else [])
+        self._release = file.register(_release_bo, file, handle, self._mappings[0] if map_len else None)
         self._finalizer = weakref.finalize(self, release_quietly, self._release, "buffer")
         if kind == "shmem":
             # "new pages may carry dirty cache lines that would later overwrite device output": the
@@ -103,7 +134,7 @@ class Bo:
             XdnaError: this buffer is closed.
         """
         self._check_open("sub")
-        offset, size = int(offset), int(size)
+        offset, size = _int_arg("sub", "offset", offset), _int_arg("sub", "size", size)
         if offset < 0 or size <= 0 or offset + size > self.size:
             raise ValueError(f"sub(offset={offset}, size={size}) outside a {self.size}-byte buffer")
         if offset % _SUB_ALIGN:
@@ -116,6 +147,7 @@ class Bo:
         sub.cpu_address = self.cpu_address + offset
         sub.address = self.address + offset
         sub._subs, sub._closed = weakref.WeakSet(), False
+        sub._mappings = self._mappings
         sub._release = sub._finalizer = None
         sub.parent._subs.add(sub)
         return sub
@@ -124,10 +156,25 @@ class Bo:
 
     @property
     def closed(self) -> bool:
-        """True once this buffer (or its parent) was closed or its device closed."""
+        """True once this buffer (or its parent) was closed or its device closed (or is closing)."""
         if self._closed or self.device.file.closed:
             return True
-        return self.parent is not None and self.parent.closed
+        if self.parent is not None:
+            return self.parent.closed
+        return self._release is not None and not self._release.alive
+
+    def hold(self, what: str) -> tuple[CpuMapping, ...]:
+        """Keep this buffer's memory mapped for one access: a close from another thread meanwhile
+        (of the buffer or its device) defers its munmap to ``unhold``. Pair with ``unhold``.
+
+        Raises:
+            XdnaError: EBADF naming ``what``, the buffer is closed.
+        """
+        with self.device.file.lock:
+            self._check_open(what)
+            for mapping in self._mappings:
+                mapping.add_view()
+        return tuple(self._mappings)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"address={self.address:#x}"
@@ -176,8 +223,19 @@ class Bo:
         """
         self._check_open("array")
         dt = np.dtype(dtype)
+        if dt.itemsize == 0 or dt.hasobject:
+            raise TypeError(f"array: dtype {dt} cannot view raw device memory (zero-size or Python objects)")
+        offset = _int_arg("array", "offset", offset)
         if shape is not None:
-            count = int(np.prod(shape))
+            shape = tuple(_int_arg("array", "shape", n) for n in np.atleast_1d(np.asarray(shape, dtype=object)))
+            if any(n < 0 for n in shape):
+                raise ValueError(f"array: shape {shape} has a negative dimension")
+            implied = int(np.prod(shape, dtype=object))
+            if count is not None and _int_arg("array", "count", count) != implied:
+                raise ValueError(f"array: count={count} contradicts shape {shape} ({implied} items)")
+            count = implied
+        elif count is not None:
+            count = _int_arg("array", "count", count)
         if offset < 0 or offset > self.size:
             raise ValueError(f"array offset {offset} outside a {self.size}-byte buffer")
         if count is None:
@@ -185,9 +243,26 @@ class Bo:
         nbytes = count * dt.itemsize
         if count < 0 or offset + nbytes > self.size:
             raise ValueError(f"array of {count} x {dt} at offset {offset} exceeds the {self.size}-byte buffer")
-        raw = np.asarray(_View(self, self.cpu_address + offset, nbytes)) if nbytes else np.empty(0, np.uint8)
+        if not nbytes:
+            raw = np.empty(0, np.uint8)
+        else:
+            with self.device.file.lock:     # a close in another thread unmaps now, or after this view
+                self._check_open("array")
+                raw = np.asarray(_View(self, self.cpu_address + offset, nbytes))
         view = raw.view(dt)
         return view.reshape(shape) if shape is not None else view
+
+    def owner_view(self) -> memoryview:
+        """A byte view of the whole buffer that does not hold its munmap back (``array`` views do).
+
+        For the objects that own a buffer and check ``closed`` before each access (runs and run
+        lists over their packet buffers), so that their close unmaps at once.
+
+        Raises:
+            XdnaError: the buffer is closed.
+        """
+        self._check_open("owner_view")
+        return memoryview((ctypes.c_ubyte * self.size).from_address(self.cpu_address)).cast("B")
 
     def write(self, data: Any, offset: int = 0) -> None:
         """Copy bytes (or any buffer / numpy array) into the buffer at ``offset``; counts ``bytes_in``.
@@ -196,7 +271,13 @@ class Bo:
             ValueError: the data does not fit.
             XdnaError: the buffer is closed.
         """
-        src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        if isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data)
+        try:
+            src = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        except TypeError as exc:
+            raise TypeError(f"write: data must be bytes-like or a numpy array, got {type(data).__name__} "
+                            f"({exc})") from exc
         self.array(np.uint8, src.size, offset)[:] = src
         with self.device.file.lock:
             self.device.stats["bytes_in"] += src.size
@@ -231,7 +312,8 @@ class Bo:
         """
         if direction not in (TO_DEVICE, FROM_DEVICE):
             raise ValueError(f"sync direction must be {TO_DEVICE!r} or {FROM_DEVICE!r}, got {direction!r}")
-        size = self.size - offset if size is None else size
+        offset = _int_arg("sync", "offset", offset)
+        size = self.size - offset if size is None else _int_arg("sync", "size", size)
         if offset < 0 or size <= 0 or offset + size > self.size:
             raise ValueError(f"sync(offset={offset}, size={size}) outside a {self.size}-byte buffer")
         self._check_open("SYNC_BO")
@@ -242,6 +324,12 @@ class Bo:
         req.size = size
         self.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_SYNC_BO, req,
                                {"handle": self.handle, "offset": req.offset, "size": size})
+
+
+def unhold(mappings: tuple[CpuMapping, ...]) -> None:
+    """End a ``Bo.hold``: the last holder of a closed buffer runs its deferred munmap."""
+    for mapping in mappings:
+        mapping.drop_view()
 
 
 def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, int]:
@@ -265,7 +353,8 @@ def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, i
         raise
 
 
-def _release_bo(file: DeviceFile, handle: int, addr: int, length: int) -> None:
+def _release_bo(file: DeviceFile, handle: int, mapping: CpuMapping | None) -> None:
     # munmap, then GEM_CLOSE (spec xrt-npu-sequence.md 1.10); DEV BOs have no mapping of their own.
-    steps = [lambda: unmap(file, addr, length)] if length else []
+    # With numpy views left the munmap waits for them (CpuMapping); the GEM handle goes now.
+    steps = [mapping.release] if mapping is not None else []
     release_steps(*steps, lambda: gem_close(file, handle))

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
     "ClockMetadata", "FirmwareVersion", "HwContextInfo", "PowerMode", "ResourceInfo", "HeapChunk",
-    "BoInfo", "DeviceFile", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE", "PCI_GENERATIONS", "TXN_DEV_GEN",
-    "pci_generation",
+    "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE", "PCI_GENERATIONS",
+    "TXN_DEV_GEN", "pci_generation",
 ]
 
 log = logging.getLogger("amdxdna_direct")
@@ -227,6 +227,11 @@ class DeviceFile:
         self.lock = threading.RLock()
         self.closed = False
         self._children: list[Any] = []
+        # Mappings whose munmap waits for numpy views (``CpuMapping``); the seam stays open until they are gone.
+        self._pins = 0
+        self._finish_pending = False
+        self._closing: tuple[int, threading.Event] | None = None    # (closing thread, done)
+        self._close_started = False
 
     def ioctl(self, request: int, cdata, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
         """Issue ``request`` on the cffi struct ``cdata`` (passed as ``ffi.buffer``).
@@ -240,10 +245,7 @@ class DeviceFile:
     def ioctl_buffer(self, request: int, buf, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
         """``ioctl`` on a raw writable buffer (same errors)."""
         name = trace.describe_request(request)[0]
-        if self.lost is not None:
-            raise DeviceLostError(errno.ENODEV, f"{format_call(name, fields)}: device lost earlier: {self.lost}")
-        if self.closed:
-            raise ioctl_error(name, fields, errno.EBADF, "device closed")
+        self.check_open(name, fields)
         with self.lock:
             self.stats[name] += 1
         try:
@@ -252,6 +254,18 @@ class DeviceFile:
             return self.seam.ioctl(request, buf)
         except OSError as exc:
             raise self.error(name, fields, exc, hint) from exc
+
+    def check_open(self, name: str, fields: Mapping[str, Any] | None = None) -> None:
+        """Raise what an ioctl ``name`` would raise now on a lost or closed device, before any work.
+
+        Raises:
+            DeviceLostError: the device was lost earlier.
+            XdnaError: EBADF, the device is closed.
+        """
+        if self.lost is not None:
+            raise DeviceLostError(errno.ENODEV, f"{format_call(name, fields)}: device lost earlier: {self.lost}")
+        if self.closed:
+            raise ioctl_error(name, fields, errno.EBADF, "device closed")
 
     def error(self, name: str, fields: Mapping[str, Any] | None, exc: OSError, hint: str = "") -> XdnaError:
         """The typed error for a failed syscall on this file; a ``DeviceLostError`` is latched here, so
@@ -273,26 +287,113 @@ class DeviceFile:
     def close(self) -> None:
         """Release every registered resource (newest first), then close the seam; idempotent.
 
+        A second caller (another thread) waits for the first one to finish instead of closing the seam
+        under it; what is registered while closing is released too.
+
         Raises:
             XdnaError: the first release that failed (the rest still ran).
         """
         with self.lock:
-            if self.closed:
-                return
-            children, self._children = self._children, []
+            closing = self._closing
+            if closing is None:
+                self._closing = closing = (threading.get_ident(), threading.Event())
+        if closing[0] != threading.get_ident() or self._close_started:
+            if closing[0] != threading.get_ident():
+                closing[1].wait()
+            return
+        self._close_started = True
         first: BaseException | None = None
-        for res in reversed(children):
-            try:
-                res()
-            except XdnaError as exc:
-                first = first or exc
+        try:
+            while True:
+                with self.lock:
+                    children, self._children = self._children, []
+                if not children:
+                    break
+                for res in reversed(children):
+                    try:
+                        res()
+                    except XdnaError as exc:
+                        first = first or exc
+            with self.lock:
+                self.closed = True
+                self._finish_pending = self._pins > 0
+            if not self._finish_pending:
+                self._finish()
+        finally:
+            closing[1].set()
+        if first is not None:
+            raise first
+
+    def pin(self) -> None:
+        """Keep the file open (past ``close``) until ``unpin``: a mapping still has numpy views."""
         with self.lock:
-            self.closed = True
+            self._pins += 1
+
+    def unpin(self) -> None:
+        """Drop a ``pin``; the last one after ``close`` closes the seam (and the owned emulator)."""
+        with self.lock:
+            self._pins -= 1
+            due = self._finish_pending and self._pins == 0
+            if due:
+                self._finish_pending = False
+        if due:
+            self._finish()
+
+    def _finish(self) -> None:
+        # The emulator unmaps an fd's mappings when it is closed; a real fd close leaves them to
+        # munmap. Either way the deferred munmaps must run first, hence the pins.
         self.seam.close()
         if self.owns_emulator and self.emulator is not None:
             self.emulator.close()
-        if first is not None:
-            raise first
+
+
+class CpuMapping:
+    """A CPU mapping of device memory whose munmap waits for the numpy views over it.
+
+    ``Bo.array`` views are raw pointers: unmapping under one would make its next access a segfault.
+    ``release`` (from ``Bo.close`` or the device's close) therefore unmaps at once only when no view
+    is left, else the last view's collection does. The GEM handle is closed at once either way: a
+    mapping keeps the object alive in the driver (spec amdxdna-uapi.md 7).
+    """
+
+    __slots__ = ("file", "addr", "length", "views", "deferred")
+
+    def __init__(self, file: DeviceFile, addr: int, length: int) -> None:
+        self.file, self.addr, self.length = file, addr, length
+        self.views = 0
+        self.deferred = False
+
+    def add_view(self) -> None:
+        """Count a view (pair with ``drop_view``, from the view's finalizer)."""
+        with self.file.lock:
+            self.views += 1
+
+    def drop_view(self) -> None:
+        """Forget a view; the last one runs a deferred munmap (a failure is logged: nobody to raise to)."""
+        with self.file.lock:
+            self.views -= 1
+            due = self.deferred and self.views == 0
+            if due:
+                self.deferred = False
+        if due:
+            try:
+                release_quietly(lambda: unmap(self.file, self.addr, self.length), "buffer mapping")
+            finally:
+                self.file.unpin()
+
+    def release(self) -> None:
+        """munmap now, or when the last view is collected.
+
+        Raises:
+            XdnaError: munmap failed.
+        """
+        with self.file.lock:
+            if self.views:
+                if not self.deferred:
+                    self.deferred = True
+                    self.file.pin()
+                return
+        unmap(self.file, self.addr, self.length)
 
 
 def release_steps(*steps: Callable[[], Any]) -> None:
@@ -393,6 +494,9 @@ class Device:
     def close(self) -> None:
         """Close every buffer, context and run created here (newest first), the heap, then the fd.
 
+        numpy views (``Bo.array``) that outlive the close keep their memory mapped, and the fd open,
+        until they are collected: reading a stale view never touches unmapped memory.
+
         Raises:
             XdnaError: a release ioctl failed (everything else was still released).
         """
@@ -405,8 +509,24 @@ class Device:
         """Issue any ioctl with a writable buffer, through the trace, stats and error mapping.
 
         Raises:
+            TypeError: ``request`` is not an int or ``buf`` not a writable buffer.
+            ValueError: ``buf`` is shorter than the size encoded in ``request``.
             XdnaError: typed by errno (DeviceLostError latches).
         """
+        if isinstance(request, bool) or not isinstance(request, int) or not 0 <= request <= 0xFFFFFFFF:
+            raise TypeError(f"raw_ioctl: request must be an ioctl number (u32 int), got {request!r}")
+        try:
+            view = memoryview(buf)
+        except TypeError as exc:
+            raise TypeError(f"raw_ioctl: buf must be a writable buffer (bytearray, ffi.buffer ...), "
+                            f"got {type(buf).__name__}") from exc
+        if view.readonly:
+            raise TypeError("raw_ioctl: buf is read-only; the driver writes its answer into it")
+        # The driver copies _IOC_SIZE bytes in and out of the caller's buffer: a shorter one would be
+        # read and written past its end.
+        size = (request >> abi._IOC_SIZESHIFT) & ((1 << abi._IOC_SIZEBITS) - 1)
+        if view.nbytes < size:
+            raise ValueError(f"raw_ioctl: request {request:#010x} carries {size} bytes, buf has {view.nbytes}")
         return self.file.ioctl_buffer(request, buf)
 
     def _query_version(self) -> DriverVersion:
@@ -509,8 +629,11 @@ class Device:
         by what can be verified: context ids start at 1, a zeroed slot is unused.
 
         Raises:
+            ValueError: ``max_entries`` is not an int in 1..4096.
             XdnaError: the query failed.
         """
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 1 <= max_entries <= 4096:
+            raise ValueError(f"hw_contexts: max_entries must be an int in 1..4096, got {max_entries!r}")
         out = self._get_info("DRM_AMDXDNA_QUERY_HW_CONTEXTS", "struct amdxdna_drm_query_hwctx", max_entries)
         return [HwContextInfo(e.context_id, e.start_col, e.num_col, e.pid, e.command_submissions,
                               e.command_completions, e.migrations, e.preemptions, e.errors)
@@ -600,9 +723,17 @@ class Device:
             release_steps(lambda: gem_close(file, handle))
             raise
         chunk = HeapChunk(handle, info.xdna_addr, va, HEAP_CHUNK_SIZE)
+        mapping = CpuMapping(file, va, HEAP_CHUNK_SIZE)
         state.chunks.append(chunk)
-        file.register(_release_heap_chunk, file, chunk)
+        state.mappings.append(mapping)
+        file.register(_release_heap_chunk, file, chunk, mapping)
         return chunk
+
+    def heap_mappings(self, cpu_address: int, size: int) -> list[CpuMapping]:
+        """The heap chunk mappings that ``[cpu_address, cpu_address + size)`` touches (for DEV buffer views)."""
+        state = self._heap_state
+        return [m for c, m in zip(state.chunks, state.mappings, strict=True)
+                if c.va < cpu_address + size and cpu_address < c.va + c.size]
 
     # -- factories -----------------------------------------------------------------------------
 
@@ -626,6 +757,7 @@ class Device:
         """
         from .hwctx import HwContext
 
+        self.file.check_open("hw_context")
         return HwContext(self, xclbin, kernel=kernel, priority=priority)
 
 
@@ -704,6 +836,7 @@ class _HeapState:
     def __init__(self) -> None:
         self.reservation: tuple[int, int] | None = None
         self.chunks: list[HeapChunk] = []
+        self.mappings: list[CpuMapping] = []
 
 
 def _release_reservation(file: DeviceFile, state: _HeapState) -> None:
@@ -715,12 +848,13 @@ def _release_reservation(file: DeviceFile, state: _HeapState) -> None:
     used = len(state.chunks) * HEAP_CHUNK_SIZE
     state.reservation = None
     state.chunks.clear()
+    state.mappings.clear()
     if length > used:
         unmap(file, base + used, length - used)
 
 
-def _release_heap_chunk(file: DeviceFile, chunk: HeapChunk) -> None:
-    release_steps(lambda: unmap(file, chunk.va, chunk.size), lambda: gem_close(file, chunk.handle))
+def _release_heap_chunk(file: DeviceFile, chunk: HeapChunk, mapping: CpuMapping) -> None:
+    release_steps(mapping.release, lambda: gem_close(file, chunk.handle))
 
 
 def release_quietly(release: Callable[[], None], what: str) -> None:
@@ -781,7 +915,12 @@ def open_device(spec: Any = None) -> Device:
     if isinstance(spec, (str, os.PathLike)):
         return Device(_open_path(os.fspath(spec)))
     if hasattr(spec, "open") and hasattr(spec, "models"):
-        return Device(spec.open(), emulator=spec)
+        try:
+            seam = spec.open()
+        except OSError as exc:
+            profile = getattr(getattr(spec, "profile", None), "name", "?")
+            raise ioctl_error("open", {"path": f"emu:{profile}"}, exc.errno or errno.EIO) from exc
+        return Device(seam, emulator=spec)
     raise TypeError(f"open_device: expected 'emu', 'emu:<profile>', a device path, an EmuDevice or None, "
                     f"got {type(spec).__name__}")
 

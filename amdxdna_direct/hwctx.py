@@ -22,7 +22,7 @@ import numpy as np
 from . import abi
 from . import insts as insts_mod
 from .device import DeviceFile, release_quietly, release_steps
-from .errors import ioctl_error
+from .errors import ContextUnavailableError, DeviceLostError, ioctl_error
 
 if TYPE_CHECKING:
     from .bo import Bo
@@ -77,6 +77,7 @@ def create_hwctx(device: Device, num_tiles: int, max_opc: int, priority: int = 0
 
     Raises:
         ContextUnavailableError: the device has no room (ENODEV / EINVAL / EBUSY).
+        DeviceLostError: the device is gone (an ENODEV that a VERSION ioctl confirms).
         XdnaError: another failure (the heap is grown and the call retried on EAGAIN).
     """
     ffi = abi.ffi
@@ -90,8 +91,24 @@ def create_hwctx(device: Device, num_tiles: int, max_opc: int, priority: int = 0
     if priority:
         fields["priority"] = priority
     # A context takes 4 x 32 KiB of heap for its command lists (spec 4.1): short heap, grow it.
-    device.growing_heap(lambda: device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
+    try:
+        device.growing_heap(lambda: device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
+    except ContextUnavailableError as exc:
+        if exc.errno == errno.ENODEV:
+            _check_not_lost(device, exc)
+        raise
     return req.handle, req.syncobj_handle
+
+
+def _check_not_lost(device: Device, refusal: ContextUnavailableError) -> None:
+    """CREATE_HWCTX answers ENODEV both for "no free columns" and for a removed device (spec
+    amdxdna-uapi.md 4.0, 4.1 step 8): a VERSION ioctl, which needs nothing but a live device, tells them
+    apart, so that a lost device is reported (and latched) as one and not as a full device to retry."""
+    req = abi.ffi.new("struct drm_version *")
+    try:
+        device.file.ioctl(abi.DRM_IOCTL_VERSION, req)
+    except DeviceLostError as lost:
+        raise lost from refusal
 
 
 def _select_kernels(xclbin: Any, kernel: str | None) -> list[tuple[Any, bytes]]:
@@ -166,6 +183,7 @@ class HwContext:
         self._kernels: dict[str, Kernel] = {}
         self._runs: weakref.WeakSet[Run | RunList] = weakref.WeakSet()
         self._closed = False
+        self._release = None
         self.cus: list[ComputeUnit] = []
         self.handle, self.syncobj = create_hwctx(device, self.num_tiles, self.max_opc, self.priority)
         try:
@@ -212,8 +230,8 @@ class HwContext:
 
     @property
     def closed(self) -> bool:
-        """True once closed (or its device closed)."""
-        return self._closed or self.device.file.closed
+        """True once closed (or its device closed, or closing)."""
+        return self._closed or self.device.file.closed or (self._release is not None and not self._release.alive)
 
     def check_open(self, what: str) -> None:
         """Raise if the context is closed.
@@ -318,8 +336,12 @@ def encode_instructions(stream: Any) -> bytes:
     if isinstance(stream, (bytes, bytearray, memoryview, str, os.PathLike)):
         return insts_mod.encode(insts_mod.load(stream))
     if isinstance(stream, (np.ndarray, Sequence)):
-        words = np.asarray(stream, dtype=np.uint32)
-        return insts_mod.encode(insts_mod.decode(words.tobytes()))
+        words = np.asarray(stream)
+        if words.ndim != 1 or not (words.size == 0 or np.issubdtype(words.dtype, np.integer)) \
+                or (words.size and (int(words.min()) < 0 or int(words.max()) > 0xFFFFFFFF)):
+            raise insts_mod.InstsError(f"instruction words must be a flat sequence of u32 values (0..0xFFFFFFFF), "
+                                       f"got {words.dtype} of shape {words.shape}")
+        return insts_mod.encode(insts_mod.decode(words.astype(np.uint32).tobytes()))
     raise TypeError(f"instruction stream must be an insts.Stream, bytes, a path or u32 words, "
                     f"got {type(stream).__name__}")
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import abi, cmd
-from .bo import Bo
+from .bo import Bo, unhold
 from .errors import CommandError, CommandTimeout, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
@@ -29,23 +29,41 @@ __all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "NPU_OPCODE_TXN"]
 CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
 NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
 _INT64_MAX = (1 << 63) - 1
+_U32_MAX = (1 << 32) - 1
 _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
                   cmd.ERT_CMD_STATE_TIMEOUT: errno.ETIME, cmd.ERT_CMD_STATE_NORESPONSE: errno.EIO}
 # States after which the driver has overwritten the payload with 0xFF (spec amdxdna-uapi.md 6.6).
 _CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STATE_TIMEOUT}
 
 
-def _check_timeout(timeout: float) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+def _check_timeout(timeout: float | None) -> float | None:
+    """The timeout in seconds, None (and infinity) meaning forever.
+
+    Raises:
+        ValueError: not a number >= 0 (NaN, negative, a string ...).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+            or not timeout >= 0:
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-    return timeout
+    return None if math.isinf(timeout) else float(timeout)
 
 
 def _monotonic_deadline_ns(timeout: float | None) -> int:
     # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (spec 1.9).
-    if timeout is None:
+    timeout = _check_timeout(timeout)
+    if timeout is None or timeout >= _INT64_MAX / 1e9:
         return _INT64_MAX
-    return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(_check_timeout(timeout) * 1e9))
+    return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9))
+
+
+def _wait_cmd_ms(timeout: float | None) -> int:
+    # WAIT_CMD counts milliseconds in a u32 and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
+    timeout = _check_timeout(timeout)
+    if timeout is None:
+        return 0
+    return min(_U32_MAX, max(1, math.ceil(timeout * 1000)))
 
 
 def _dedup(handles: Iterable[int]) -> list[int]:
@@ -100,9 +118,13 @@ class Kernel:
 
         Raises:
             InstsError: the stream is malformed.
+            TypeError: ``buffers`` is not a sequence.
             ValueError: more buffers than the kernel declares.
             XdnaError: upload or allocation failed.
         """
+        if isinstance(buffers, (Bo, str, bytes)) or not isinstance(buffers, Sequence):
+            raise TypeError(f"{self.name}: prepare_npu buffers must be a sequence of Bo or None, "
+                            f"got {type(buffers).__name__}")
         instr, nwords = self.ctx.instructions(insts)
         return self.prepare(NPU_OPCODE_TXN, instr, nwords, *buffers)
 
@@ -150,7 +172,7 @@ class Run:
         self._lock = threading.Lock()
         self.packet = ctx.device.bo(CMD_BO_SIZE, "cmd")
         try:
-            self._view = memoryview(self.packet.array(np.uint8))
+            self._view = self.packet.owner_view()
             self.words = cmd.payload_words(len(self._regmap))
             self._encode()
             # A sub-buffer carries its parent's handle, so the parent is listed once (spec 1.5).
@@ -165,6 +187,8 @@ class Run:
         self._t0 = 0.0
         self._clobbered = False
         self._in_flight = False
+        self._unsubmitted = False
+        self._claimed_by: RunList | None = None     # the RunList whose submission holds this packet
         ctx.track(self)
 
     def _encode(self) -> None:
@@ -183,6 +207,17 @@ class Run:
         if self.packet.closed:
             raise ioctl_error(what, {"cmd_handles": self.packet.handle}, errno.EBADF, "run is closed")
 
+    def check_buffers(self, what: str) -> None:
+        """Raise if an argument buffer was closed (the driver would answer ENOENT for its stale handle).
+
+        Raises:
+            XdnaError: EBADF naming ``what``, the command and the closed buffer's handle.
+        """
+        for bo in self.buffers:
+            if bo.closed:
+                raise ioctl_error(what, {"cmd_handles": self.packet.handle, "arg_handle": bo.handle}, errno.EBADF,
+                                  f"an argument buffer of this {self.kernel.name} run is closed")
+
     @property
     def state(self) -> int:
         """The packet's current ERT state (``cmd.ERT_CMD_STATE_*``).
@@ -190,8 +225,20 @@ class Run:
         Raises:
             XdnaError: the run is closed.
         """
-        self.check_open("state")
-        return cmd.read_state(self._view)
+        held = self._hold("state")
+        try:
+            return cmd.read_state(self._view)
+        finally:
+            unhold(held)
+
+    def _hold(self, what: str) -> tuple:
+        # The packet is read and written through its mapping: keep it mapped while another thread
+        # may close the run, its context or the device.
+        try:
+            return self.packet.hold(what)
+        except XdnaError:
+            self.check_open(what)
+            raise
 
     @property
     def state_name(self) -> str:
@@ -212,15 +259,24 @@ class Run:
         Raises:
             XdnaError: EXEC_CMD failed (names hwctx, the command handle and arg count), or the run or
                 its context is closed.
-            RuntimeError: the previous submission was not waited for.
+            RuntimeError: the previous submission (alone or in a ``RunList``) was not waited for.
         """
         self.ctx.check_open("EXEC_CMD")
         self.check_open("EXEC_CMD")
+        self.check_buffers("EXEC_CMD")
         with self._lock:
             if self._in_flight:
                 raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
-            self.restore()
-            self.seq = self._exec.submit()
+            if self._claimed_by is not None:
+                raise RuntimeError(f"Run of {self.kernel.name} is in flight in a RunList: wait() for the list first")
+            held = self._hold("EXEC_CMD")
+            try:
+                self.restore()
+                self._unsubmitted = True    # until EXEC_CMD takes it: the packet now says NEW, not the last outcome
+                self.seq = self._exec.submit()
+                self._unsubmitted = False
+            finally:
+                unhold(held)
             self._in_flight = True
             self._t0 = time.perf_counter()
             self.elapsed = None
@@ -239,25 +295,32 @@ class Run:
             CommandTimeout: the wait expired (``state`` is the live one) or the driver's TDR marked the
                 command TIMEOUT (with the health record when the driver left one).
             CommandError: any other final state (ERROR, ABORT, or NEW for a malformed command).
-            RuntimeError: the run was never started.
+            RuntimeError: the run was never started, or its last ``start`` failed.
             XdnaError: the wait ioctl failed, or the run is closed.
         """
         self.check_open("wait")
         with self._lock:
             if self.seq is None:
                 raise RuntimeError(f"Run of {self.kernel.name} was never started")
+            if self._unsubmitted:
+                raise RuntimeError(f"Run of {self.kernel.name} is not submitted: its last start() failed")
             if self._in_flight:
                 self._wait.wait(self.seq, timeout, self.kernel.name)
                 self._in_flight = False
                 self.elapsed = time.perf_counter() - self._t0
-            state = self.state
-            if state == cmd.ERT_CMD_STATE_COMPLETED:
-                return state
-            self._clobbered = state in _CLOBBERED
-            raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view)
+            held = self._hold("wait")
+            try:
+                state = cmd.read_state(self._view)
+                if state == cmd.ERT_CMD_STATE_COMPLETED:
+                    return state
+                self._clobbered = state in _CLOBBERED
+                raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view)
+            finally:
+                unhold(held)
 
     def __call__(self, timeout: float | None = None) -> int:
-        """``start()`` then ``wait(timeout)``."""
+        """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
+        _check_timeout(timeout)
         return self.start().wait(timeout)
 
     def close(self) -> None:
@@ -295,7 +358,7 @@ class _Waiter:
 
         Raises:
             CommandTimeout: the deadline passed first (ETIME); ``state`` is RUNNING.
-            XdnaError: the wait ioctl failed otherwise.
+            XdnaError: EBADF when the context was closed during the wait; the wait ioctl failed otherwise.
         """
         ctx, file = self.ctx, self.ctx.device.file
         try:
@@ -308,10 +371,13 @@ class _Waiter:
             else:
                 # WAIT_CMD counts milliseconds and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
                 self.req.seq = seq
-                self.req.timeout = 0 if timeout is None else max(1, math.ceil(_check_timeout(timeout) * 1000))
+                self.req.timeout = _wait_cmd_ms(timeout)
                 file.ioctl_buffer(abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, self.buf,
                                   {"hwctx": ctx.handle, "seq": seq, "timeout_ms": self.req.timeout})
         except XdnaError as exc:
+            if ctx.closed:      # closed by another thread meanwhile: the syncobj went first (spec 1.10)
+                raise ioctl_error("wait", {"hwctx": ctx.handle, "seq": seq}, errno.EBADF,
+                                  f"context closed while {what} waited ({exc})") from exc
             if exc.errno == errno.ETIME:
                 raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
                                                   f"{timeout} s: {exc}", kernel=what, state="RUNNING",
@@ -370,7 +436,7 @@ class _Chain:
         self.first = first
         self.bo = ctx.device.bo(CMD_BO_SIZE, "cmd")
         try:
-            self.view = memoryview(self.bo.array(np.uint8))
+            self.view = self.bo.owner_view()
             self.handles = [run.packet.handle for run in runs]
             cmd.encode_chain(self.view, self.handles)
             # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (spec 6.5).
@@ -446,13 +512,24 @@ class RunList:
         Raises:
             XdnaError: EXEC_CMD failed (the chains submitted before it still run: ``wait`` drains
                 them) or the context is closed.
-            RuntimeError: the list is still in flight (``wait`` first).
+            RuntimeError: the list, or one of its runs (alone or in another list), is still in flight
+                (``wait`` first).
         """
         self.ctx.check_open("EXEC_CMD")
         self._check_open("EXEC_CMD")
         with self._lock:
             if self._in_flight:
                 raise RuntimeError(f"RunList of {len(self.runs)} runs is still in flight: wait() first")
+            held = self._hold("EXEC_CMD")
+            try:
+                self._claim_runs()
+                self._submit()
+            finally:
+                unhold(held)
+        return self
+
+    def _submit(self) -> None:
+        try:
             for chain in self.chains:
                 chain.reset()
                 chain.seq = None
@@ -460,7 +537,33 @@ class RunList:
             for chain in self.chains:
                 chain.seq = chain.exec.submit()
                 self._in_flight = True
-        return self
+        except BaseException:
+            if not self._in_flight:
+                self._release_runs()
+            raise
+
+    def _claim_runs(self) -> None:
+        # One CMD BO cannot be in two submissions: the driver writes each one's outcome into it, and a
+        # restart rewrites the state the other is about to report. Runs are claimed while the list flies.
+        claimed = []
+        try:
+            for i, run in enumerate(self.runs):
+                with run._lock:
+                    if run._in_flight or run._claimed_by is not None:
+                        where = "on its own" if run._in_flight else "in another RunList"
+                        raise RuntimeError(f"RunList entry {i} ({run.kernel.name}) is still in flight {where}: "
+                                           f"wait() for it first")
+                    run._claimed_by = self
+                claimed.append(run)
+        except RuntimeError:
+            for run in claimed:
+                run._claimed_by = None
+            raise
+
+    def _release_runs(self) -> None:
+        for run in self.runs:
+            if run._claimed_by is self:
+                run._claimed_by = None
 
     def wait(self, timeout: float | None = None) -> list[int]:
         """Wait once for the last chain submitted, then check every submitted chain; returns the
@@ -485,10 +588,27 @@ class RunList:
                 for chain in (submitted[-1:] if self.ctx.syncobj else submitted):
                     self._wait.wait(chain.seq, timeout, what)
                 self._in_flight = False
-            failures = [f for f in (self._collect(chain) for chain in submitted) if f is not None]
+                self._release_runs()
+            held = self._hold("wait")
+            try:
+                failures = [f for f in (self._collect(chain) for chain in submitted) if f is not None]
+            finally:
+                unhold(held)
             if failures:
                 raise failures[0]
             return list(self.states)
+
+    def _hold(self, what: str) -> tuple:
+        # Every chain and run packet stays mapped while it is used (see Run._hold).
+        held: list = []
+        try:
+            for bo in [chain.bo for chain in self.chains] + [run.packet for run in self.runs]:
+                held.extend(bo.hold(what))
+        except XdnaError:
+            unhold(tuple(held))
+            self._check_open(what)
+            raise
+        return tuple(held)
 
     def _collect(self, chain: _Chain) -> CommandError | None:
         state = cmd.read_state(chain.view)
@@ -516,9 +636,11 @@ class RunList:
                 raise ioctl_error(what, {"cmd_handles": chain.bo.handle}, errno.EBADF, "run list is closed")
         for run in self.runs:
             run.check_open(what)
+            run.check_buffers(what)
 
     def __call__(self, timeout: float | None = None) -> list[int]:
-        """``start()`` then ``wait(timeout)``."""
+        """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
+        _check_timeout(timeout)
         return self.start().wait(timeout)
 
     def close(self) -> None:
@@ -541,6 +663,7 @@ def _check_runs(ctx: HwContext, runs: Sequence[Run]) -> None:
             raise TypeError(f"RunList entry {i} is a {type(run).__name__}, not a Run")
         if run.ctx is not ctx:
             raise ValueError(f"RunList entry {i} belongs to another hardware context")
+        run.check_open("RunList")
     if len({id(run) for run in runs}) != len(runs):
         raise ValueError("RunList contains the same Run twice (one command buffer cannot be two sub-commands)")
 

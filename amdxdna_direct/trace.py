@@ -37,11 +37,15 @@ def describe_request(request: int) -> tuple[str, str | None]:
 def decode(ctype: str | None, buf) -> dict[str, object]:
     """The top-level fields of ``buf`` read as C struct ``ctype`` (integers and pointers as ints).
 
-    Nested structs and arrays are shown by their cffi repr; an unknown type yields ``{}``.
+    Nested structs and arrays are shown by their cffi repr; an unknown type yields ``{}``, a buffer
+    shorter than the struct ``{"short_buffer": its length}``.
     """
     if ctype is None:
         return {}
     ffi = abi.ffi
+    nbytes = memoryview(buf).nbytes
+    if nbytes < ffi.sizeof(ctype):      # never read past the caller's buffer (raw ioctls pass any)
+        return {"short_buffer": nbytes}
     ptr = ffi.from_buffer(ctype + " *", buf)
     fields: dict[str, object] = {}
     for name, field in ffi.typeof(ctype).fields:

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zipfile
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -134,24 +135,48 @@ def build(out: str | os.PathLike, preset: str | Geometry = "tiny", target: str =
     Returns the bundle directory.
 
     Raises:
-        ValueError: unknown preset or target, an existing bundle at `out`, or a weight of the wrong shape.
+        ValueError: unknown preset or target, a negative seed, an existing bundle at `out`, or a weights file that
+            is not an `.npz` of numeric arrays named and shaped as the preset's kernels (checked before anything
+            is written).
+        OSError: `out` or `weights` cannot be written or read.
     """
     g = PRESETS.get(preset) if isinstance(preset, str) else preset
     if g is None:
         raise ValueError(f"unknown preset {preset!r} (expected one of {sorted(PRESETS)})")
     if target not in GENERATIONS:
         raise ValueError(f"unknown target {target!r} (expected one of {sorted(GENERATIONS)})")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     root = Path(out)
     if (root / MANIFEST).exists():
         raise ValueError(f"{root} already holds a bundle ({MANIFEST})")
-    user = dict(np.load(weights)) if weights is not None else {}
-    writer = _Writer(root, g, target, seed, user)
-    manifest = writer.write()
-    unused = sorted(set(user) - writer.used)
-    if unused:
-        raise ValueError(f"{weights}: arrays {unused} match no kernel of the {g.name} preset")
+    user = _user_weights(weights, g) if weights is not None else {}
+    manifest = _Writer(root, g, target, seed, user).write()
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return root
+
+
+def _user_weights(path: str | os.PathLike, g: Geometry) -> dict[str, np.ndarray]:
+    """The arrays of the `.npz` at `path` as float32, each named and shaped as one of `g`'s kernels."""
+    shapes = {key: (k, n) for key, (_, k, n, _) in block_gemm_shapes(g).items()}
+    shapes.update({c.key: (c.cout, c.channels, 3, 3) for c in g.convs})
+    try:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("a single array (.npy): expected an .npz archive of arrays named by kernel key")
+        with data:
+            arrays = {name: data[name] for name in data.files}
+    except (ValueError, zipfile.BadZipFile, EOFError) as e:  # EOFError: an empty file
+        raise ValueError(f"{path}: not a weights archive: {e}") from e
+    unused = sorted(set(arrays) - set(shapes))
+    if unused:
+        raise ValueError(f"{path}: arrays {unused} match no kernel of the {g.name} preset")
+    for key, w in arrays.items():
+        if w.dtype.kind not in "biuf":
+            raise ValueError(f"weights for {key}: dtype {w.dtype}, expected real numbers")
+        if w.shape != shapes[key]:
+            raise ValueError(f"weights for {key}: shape {w.shape}, the {g.name} preset needs {shapes[key]}")
+    return {key: w.astype(np.float32) for key, w in arrays.items()}
 
 
 def build_cached(cache: str | os.PathLike, preset: str = "tiny", target: str = "npu4", seed: int = 0) -> Path:
@@ -159,12 +184,16 @@ def build_cached(cache: str | os.PathLike, preset: str = "tiny", target: str = "
 
     Raises:
         ValueError: as `build`.
+        OSError: the cache directory cannot be created or written.
     """
     final = Path(cache) / f"{preset}-{target}-seed{seed}-v{FORMAT}"
     if (final / MANIFEST).is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    except OSError as e:
+        raise OSError(e.errno, f"bundle cache {final.parent}: {e.strerror}", e.filename) from e
     try:
         build(staging, preset, target, seed)
         os.replace(staging, final)
@@ -182,7 +211,6 @@ class _Writer:
     def __init__(self, root: Path, g: Geometry, target: str, seed: int, user: dict[str, np.ndarray]):
         self.root, self.g, self.target, self.seed, self.user = root, g, target, seed, user
         self.dev_gen = TXN_DEV_GEN[target]
-        self.used: set[str] = set()
         for sub in ("xclbin", "insts", "weights"):
             (root / sub).mkdir(parents=True, exist_ok=True)
 
@@ -211,7 +239,11 @@ class _Writer:
 
     def stream(self, key: str, buffers: Sequence[tuple[int, int, str]], rtp: Sequence[int]) -> str:
         rel = f"insts/{key}.bin"
-        (self.root / rel).write_bytes(insts.encode(insts.dma_stream(self.dev_gen, buffers, rtp=rtp)))
+        try:
+            stream = insts.dma_stream(self.dev_gen, buffers, rtp=rtp)
+        except ValueError as e:  # a geometry whose buffers are not whole words (the shim DMA moves words)
+            raise ValueError(f"{self.g.name} preset, kernel {key}: {e}") from e
+        (self.root / rel).write_bytes(insts.encode(stream))
         return rel
 
     def block_gemm(self, key: str, ctx: str, k: int, n: int, layout: str) -> dict:
@@ -250,12 +282,8 @@ class _Writer:
                 "elems": elems}
 
     def _weight(self, key: str, shape: tuple[int, ...], scale: float) -> np.ndarray:
-        if key in self.user:
-            w = np.asarray(self.user[key], dtype=np.float32)
-            if w.shape != shape:
-                raise ValueError(f"weights for {key}: shape {w.shape}, the {self.g.name} preset needs {shape}")
-            self.used.add(key)
-            return w
+        if key in self.user:  # named and shaped as this kernel's (checked by _user_weights)
+            return self.user[key]
         rng = np.random.default_rng([self.seed, zlib.crc32(key.encode())])
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
 

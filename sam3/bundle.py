@@ -34,6 +34,10 @@ _GEMM_FIELDS = {"key", "ctx", "m", "k", "n", "lda", "insts", "b_bytes", "b_layou
 _MHA_FIELDS = {"key", "heads", "seq", "d", "elems", "xclbin", "insts", "name"}
 _OP_FIELDS = {"key", "xclbin", "insts", "name", "fn", "elems"}
 _OP_OPTIONAL = {"n"}  # layernorm's normalised length (spec 6: "over the last n elements")
+# A kernel moves each buffer through a shim DMA buffer descriptor whose length is a 32-bit count of
+# 32-bit words (spec/xrt-npu-sequence.md 2.3, BD word 0): every buffer a manifest entry implies is a
+# whole number of words, at most this many bytes.
+MAX_BUFFER_BYTES = 4 * 0xFFFF_FFFF
 # TXN header (spec/xrt-npu-sequence.md 2.3): word 0 carries the device generation in bits 23:16,
 # word 3 the stream's size in bytes.
 _TXN_HEADER = struct.Struct("<4I")
@@ -140,14 +144,17 @@ class Bundle:
         Raises:
             BundleError: unreadable or malformed manifest, a missing or escaping file, a bad field.
         """
-        root = Path(directory).resolve()
+        try:
+            root = Path(directory).resolve()
+        except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, an embedded NUL
+            raise BundleError(f"bundle {directory!r}: cannot resolve the directory: {e}", field=MANIFEST) from e
         doc = _read_manifest(root)
         _check_fields(doc, _TOP_REQUIRED, _TOP_OPTIONAL, None, "manifest")
-        if doc["format"] != FORMAT or isinstance(doc["format"], bool):
+        if type(doc["format"]) is not int or doc["format"] != FORMAT:
             raise BundleError(f"manifest format: {doc['format']!r} is not supported (expected {FORMAT})",
                               field="format")
         target = doc["target"]
-        if target not in GENERATIONS:
+        if not isinstance(target, str) or target not in GENERATIONS:
             raise BundleError(f"manifest target: unknown NPU {target!r} (expected one of {sorted(GENERATIONS)})",
                               field="target")
         xclbins = _load_xclbins(root, _mapping(doc, "xclbins"))
@@ -185,7 +192,10 @@ class Bundle:
     def weights(self, key: str) -> Path | None:
         """The packed B of GEMM `key` shipped in `weights/<key>.bin`, or None."""
         path = self.root / "weights" / f"{key}.bin"
-        return path if path.is_file() else None
+        try:
+            return path if path.is_file() else None
+        except OSError:  # ENAMETOOLONG: a key no file can be named after ships no weights
+            return None
 
     def check_target(self, device: str) -> None:
         """Checks that this bundle's xclbins run on a device of generation `device` ("npu1", "npu4", ...).
@@ -221,18 +231,26 @@ class Bundle:
                 if k.xclbin not in self._parsed:
                     self._parsed[k.xclbin] = Xclbin.load(k.xclbin)
                 self._parsed[k.xclbin].pdi_for(k.name)
-            except XclbinError as e:
+                _check_mlir_aie_args(self._parsed[k.xclbin].kernel(k.name), self._buffers(key))
+            except (XclbinError, OSError) as e:
                 raise BundleError(f"{key}.{field}: {k.ctx} is not a usable xclbin for kernel {k.name!r}: {e}",
                                   key, field) from e
+
+    def _buffers(self, key: str) -> int:
+        """Buffer arguments kernel `key` is run with: A, B, C (spec 2); q, k, v, o (spec 5); an op at least one."""
+        return 3 if key in self.gemms else 4 if key in self.mhas else 1
 
     def _check_streams(self) -> None:
         """Each instruction stream is a TXN stream for the bundle's target (spec/xrt-npu-sequence.md 2.3)."""
         want = TXN_DEV_GEN[self.target]
         for key in self.keys():
             path = self.kernel(key).insts
-            with path.open("rb") as f:
-                head = f.read(_TXN_HEADER.size)
-                length = os.fstat(f.fileno()).st_size
+            try:
+                with path.open("rb") as f:
+                    head = f.read(_TXN_HEADER.size)
+                    length = os.fstat(f.fileno()).st_size
+            except OSError as e:
+                raise BundleError(f"{key}.insts: {path.name} cannot be read: {e}", key, "insts") from e
             if len(head) < _TXN_HEADER.size or length % 4:
                 raise BundleError(f"{key}.insts: {path.name} is not a TXN stream (size {length})", key, "insts")
             word0, _, _, size = _TXN_HEADER.unpack(head)
@@ -248,6 +266,8 @@ class Bundle:
         folder = self.root / "weights"
         if not folder.exists():
             return
+        if not folder.is_dir():
+            raise BundleError(f"bundle {self.root}: weights is not a directory", field="weights")
         for path in sorted(folder.iterdir()):
             key = path.name.removesuffix(".bin")
             _inside(self.root, f"weights/{path.name}", key, "weights")
@@ -256,6 +276,23 @@ class Bundle:
             if path.stat().st_size != self.gemms[key].b_bytes:
                 raise BundleError(f"{key}.b_bytes: weights/{path.name} has {path.stat().st_size} bytes, "
                                   f"b_bytes is {self.gemms[key].b_bytes}", key, "b_bytes")
+
+
+def _check_mlir_aie_args(kernel: Any, buffers: int) -> None:
+    """The NPU layer runs every kernel in the mlir-aie convention (spec/xrt-npu-sequence.md 2.2): scalar opcode,
+    instruction buffer, scalar word count, then `buffers` buffer arguments; a kernel declaring other arguments
+    (a DPU kernel's scalar argv, a PL kernel) cannot take that command.
+
+    Raises:
+        XclbinError: the kernel's arguments are not in that convention.
+    """
+    args = sorted(kernel.args, key=lambda a: a.index)
+    want = ["scalar", "global", "scalar"] + ["global"] * buffers
+    have = [a.kind for a in args[: len(want)]]
+    if have != want:
+        declared = ", ".join(f"{a.name}: {a.kind}" for a in args)
+        raise XclbinError(f"kernel {kernel.name!r} declares ({declared}); the mlir-aie convention needs a scalar "
+                          f"opcode, an instruction buffer, a scalar word count and {buffers} buffer(s)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,13 +304,28 @@ def _read_manifest(root: Path) -> dict[str, Any]:
     if not path.is_file():
         raise BundleError(f"bundle {root}: {MANIFEST} not found", field=MANIFEST)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_names)
+    except OSError as e:
+        raise BundleError(f"bundle {root}: {MANIFEST} cannot be read: {e}", field=MANIFEST) from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BundleError(f"bundle {root}: {MANIFEST} is not valid JSON: {e}", field=MANIFEST) from e
+    except RecursionError as e:  # json's C decoder recurses once per nesting level
+        raise BundleError(f"bundle {root}: {MANIFEST} nests too deeply to be a manifest", field=MANIFEST) from e
     if not isinstance(doc, dict):
         raise BundleError(f"bundle {root}: {MANIFEST} must hold an object, not {type(doc).__name__}",
                           field=MANIFEST)
     return doc
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object; a name given twice is an error (json keeps the last silently: a hand edit that adds a
+    field instead of changing it would be ignored, or would replace a whole xclbins entry)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise BundleError(f"{MANIFEST}: {name!r} appears twice in one object", field=name)
+        out[name] = value
+    return out
 
 
 def _check_fields(entry: Any, required: set[str], optional: set[str], key: str | None, where: str) -> None:
@@ -323,11 +375,17 @@ def _inside(root: Path, rel: Any, key: str | None, field: str) -> Path:
     pure = PurePosixPath(rel)
     if pure.is_absolute() or rel.startswith("\\") or ".." in pure.parts or (len(rel) > 1 and rel[1] == ":"):
         raise BundleError(f"{where}: path {rel!r} escapes the bundle", key, field)
+    if "\0" in rel:
+        raise BundleError(f"{where}: path {rel!r} holds a NUL byte", key, field)
     path = root / pure
-    if not path.resolve().is_relative_to(root):
-        raise BundleError(f"{where}: path {rel!r} escapes the bundle (symlink to {path.resolve()})", key, field)
-    if not path.is_file():
-        raise BundleError(f"{where}: file {rel!r} not found in bundle {root}", key, field)
+    try:
+        resolved = path.resolve()
+        if not resolved.is_relative_to(root):
+            raise BundleError(f"{where}: path {rel!r} escapes the bundle (symlink to {resolved})", key, field)
+        if not path.is_file():
+            raise BundleError(f"{where}: file {rel!r} not found in bundle {root}", key, field)
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (pathlib.resolve, Python < 3.13)
+        raise BundleError(f"{where}: path {rel!r} cannot be resolved: {e}", key, field) from e
     return path
 
 
@@ -386,6 +444,17 @@ def _check_gemm_layout(g: GemmSpec) -> None:
     if g.b_bytes != g.k * g.n * BF16_BYTES:
         raise BundleError(f"{g.key}.b_bytes: {g.b_bytes} does not match {lay} for K={g.k} x N={g.n} "
                           f"({g.k * g.n * BF16_BYTES} bytes of bf16)", g.key, "b_bytes")
+    _check_buffer(g.key, "m", f"A ((m-1)*lda + k = {(g.m - 1) * g.lda + g.k} bf16)",
+                  ((g.m - 1) * g.lda + g.k) * BF16_BYTES)
+    _check_buffer(g.key, "b_bytes", "B", g.b_bytes)
+    _check_buffer(g.key, "m", f"C (m*n = {g.m * g.n} bf16)", g.m * g.n * BF16_BYTES)
+
+
+def _check_buffer(key: str, field: str, what: str, nbytes: int) -> None:
+    """`what`, `nbytes` long, must fit one shim buffer descriptor (MAX_BUFFER_BYTES)."""
+    if nbytes % 4 or nbytes > MAX_BUFFER_BYTES:
+        raise BundleError(f"{key}.{field}: {what} would be {nbytes} bytes; a kernel buffer is a whole number of "
+                          f"32-bit words, at most {MAX_BUFFER_BYTES} bytes", key, field)
 
 
 def _load_mha(root: Path, entry: Any, seen: set[str]) -> MhaSpec:
@@ -396,6 +465,7 @@ def _load_mha(root: Path, entry: Any, seen: set[str]) -> MhaSpec:
     heads, seq, d, elems = (_positive(entry, f, key) for f in ("heads", "seq", "d", "elems"))
     if elems != heads * seq * d:
         raise BundleError(f"{key}.elems: {elems} != heads*seq*d = {heads * seq * d}", key, "elems")
+    _check_buffer(key, "elems", "each of q, k, v, o", elems * BF16_BYTES)
     return MhaSpec(key, heads, seq, d, elems, _inside(root, entry["xclbin"], key, "xclbin"),
                    _inside(root, entry["insts"], key, "insts"), _string(entry, "name", key))
 
@@ -409,6 +479,7 @@ def _load_op(root: Path, entry: Any, seen: set[str]) -> OpSpec:
     if fn not in ELEMENTWISE_FNS:
         raise BundleError(f"{key}.fn: unknown function {fn!r} (expected one of {list(ELEMENTWISE_FNS)})", key, "fn")
     elems = _positive(entry, "elems", key)
+    _check_buffer(key, "elems", "each buffer", elems * BF16_BYTES)
     n = _op_length(entry, key, fn, elems)
     return OpSpec(key, _inside(root, entry["xclbin"], key, "xclbin"), _inside(root, entry["insts"], key, "insts"),
                   _string(entry, "name", key), fn, elems, n)

@@ -322,6 +322,10 @@ def _size(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _error(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2e}"  # None: unchecked, or a NaN/infinite result
+
+
 def format_table(doc: dict[str, Any]) -> str:
     """The human-readable report of a demo document."""
     head = f"{'stage':<13}{'kind':<6}{'rows':>7}{'chunks':>7}{'EXEC':>6}{'waits':>6}{'in':>11}{'out':>11}" \
@@ -330,7 +334,7 @@ def format_table(doc: dict[str, Any]) -> str:
     for s in doc["stages"]:
         lines.append(f"{s['name']:<13}{s['kind']:<6}{s['rows']:>7}{s['chunks']:>7}{s['exec_cmds']:>6}"
                      f"{s['waits']:>6}{_size(s['bytes_in']):>11}{_size(s['bytes_out']):>11}"
-                     f"{s['seconds']:>9.3f}{s['max_rel_err']:>13.2e}")
+                     f"{s['seconds']:>9.3f}{_error(s['max_rel_err']):>13}")
     lines.append(f"tolerance: max|npu - numpy float32| / max|numpy| <= {STAGE_TOLERANCE:g} per stage "
                  f"(bf16: 8 significant bits), {BLOCK_TOLERANCE:g} for the whole block")
     lines.append(f"contexts: {doc['loads']} loaded, {doc['evictions']} evicted")
@@ -360,10 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         doc = run_demo(args.preset, args.device, args.bundle, args.max_contexts, args.evict, progress=long_run)
-    except (BundleError, NpuError, errors.XdnaError, ValueError) as e:
+    except (BundleError, NpuError, ValueError, OSError) as e:  # OSError: XdnaError, or an unwritable cache
         print(f"sam3-npu demo: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(doc) if args.json else format_table(doc))
+    print(json.dumps(doc, allow_nan=False) if args.json else format_table(doc))
     _progress(long_run)(f"done in {time.perf_counter() - start:.1f} s")
     return 0 if doc["ok"] else 1
 

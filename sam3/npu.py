@@ -14,7 +14,10 @@ the command packets of an operand set are built once and reused.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +37,9 @@ from sam3.bundle import Bundle, GemmSpec, MhaSpec, OpSpec
 from sam3.pack import BF16_BYTES, ConvGeometry, copy_wide, round_up, to_bf16
 
 ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
+# Command units kept per cache, least recently used dropped first: per Io / MhaIo (one per weight buffer) and
+# for `run_args` (one per kernel and operand set).
+UNIT_CACHE = 8
 EVICTION_POLICIES = ("lru", "drain")
 # How a host wait for a command reaches the driver (spec/xrt-npu-sequence.md 1.9).
 WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
@@ -58,10 +64,13 @@ def push(src: np.ndarray, bo: Bo, offset: int = 0) -> int:
     Counts the bytes in the device's `stats["bytes_in"]` (as `Bo.write` does). Returns the byte count.
 
     Raises:
+        TypeError: `src` holds Python objects.
         ValueError: `src` does not fit.
         XdnaError: SYNC_BO failed.
     """
     data = np.ascontiguousarray(src)
+    if data.dtype.hasobject:
+        raise TypeError(f"push: expected numeric data, got an array of {data.dtype}")
     nbytes = data.nbytes
     if nbytes == 0:
         return 0
@@ -75,10 +84,16 @@ def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndar
     """The first `count` items of `dtype` of `bo` (synced from the device first), copied to host memory.
 
     Raises:
+        TypeError: `count` or `offset` not an integer, or an object dtype.
         ValueError: the range is outside the buffer.
         XdnaError: SYNC_BO failed.
     """
     dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"pull: dtype must be numeric, got {dt}")
+    count, offset = _integer(count, "pull count"), _integer(offset, "pull offset")
+    if count < 0 or offset < 0 or offset + count * dt.itemsize > bo.size:
+        raise ValueError(f"pull(count={count}, dtype={dt}, offset={offset}) outside a {bo.size}-byte buffer")
     out = np.empty(count, dtype=dt)
     if count == 0:
         return out
@@ -86,6 +101,13 @@ def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndar
     copy_wide(out, bo.array(dt, count, offset))
     bo.device.stats["bytes_out"] += out.nbytes
     return out
+
+
+def _integer(value: Any, what: str) -> int:
+    """`value` as an int; numpy integers pass, bools, floats and strings are a TypeError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
 
 
 def _bf16_bits(src: np.ndarray) -> np.ndarray:
@@ -131,9 +153,12 @@ class Io:
     def set_a(self, src: np.ndarray) -> int:
         """Fills the start of A (bf16 bits, or floats rounded to bf16) and syncs it; returns bytes pushed.
 
+        A convolution's A is Y (spec 4), laid out by `pack.conv_input(x, geometry, rows)`: it is filled whole.
+
         Raises:
             NpuError: A is chained (another kernel's output).
-            ValueError: `src` is larger than A.
+            ValueError: `src` is larger than A, or a convolution's `src` is not a whole Y (a raw map has no pad
+                columns: the kernel would read shifted windows).
             TypeError: `src` is neither bf16 bits nor floats.
             XdnaError: SYNC_BO failed.
         """
@@ -141,8 +166,12 @@ class Io:
             raise NpuError(f"{self.key}: A is {self.chained_from}'s C (chained); set_a would overwrite a "
                            f"device result", self.key)
         bits = _bf16_bits(src).reshape(-1)
-        if bits.nbytes > self.a.size:
-            raise ValueError(f"{self.key}: set_a of {bits.size} elements, A holds {self.a.size // BF16_BYTES}")
+        held = self.a.size // BF16_BYTES
+        if bits.size > held:
+            raise ValueError(f"{self.key}: set_a of {bits.size} elements, A holds {held}")
+        if self.spec.conv is not None and bits.size != held:
+            raise ValueError(f"{self.key}: set_a of {bits.size} elements, a convolution's A is Y of {held} "
+                             f"(pack.conv_input(x, geometry, {self.rows}))")
         return push(bits, self.a)
 
     def sync_a(self) -> None:
@@ -157,9 +186,11 @@ class Io:
         """The first `rows` rows of C as bf16 bits, `[rows][n]`, copied out.
 
         Raises:
+            TypeError: `rows` is not an integer.
             ValueError: more rows than C holds (or negative).
             XdnaError: SYNC_BO failed.
         """
+        rows = _integer(rows, f"{self.key}: get_c rows")
         if not 0 <= rows <= self.rows:
             raise ValueError(f"{self.key}: get_c({rows}) outside C's {self.rows} rows")
         return pull(self.c, rows * self.n).reshape(rows, self.n)
@@ -219,10 +250,13 @@ class Stage:
     max_rel_err: float | None = None
 
     def row(self) -> dict[str, Any]:
-        """The stage as the demo's JSON object."""
+        """The stage as the demo's JSON object; `max_rel_err` is null when unchecked or not finite (a NaN
+        or infinite result: JSON has no such numbers)."""
+        err = self.max_rel_err
         return {"name": self.name, "kind": self.kind, "rows": self.rows, "chunks": self.chunks,
                 "exec_cmds": self.exec_cmds, "waits": self.waits, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "seconds": self.seconds, "max_rel_err": self.max_rel_err}
+                "bytes_out": self.bytes_out, "seconds": self.seconds,
+                "max_rel_err": err if err is None or math.isfinite(err) else None}
 
 
 @dataclass
@@ -258,14 +292,36 @@ def _max_contexts(value: int | None) -> int | None:
         if not text:
             return None
         source = ENV_MAX_CONTEXTS
-        value = int(text) if text.isdigit() else text
+        value = int(text) if text.isascii() and text.isdigit() else text  # isdigit alone takes "²"
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{source}={value!r}: expected a positive integer")
     return value
 
 
+def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs `method` holding the Npu's lock: loading, evicting and running share the context table and the LRU,
+    and an eviction must not destroy a context another thread is about to submit to or wait on (the seed's
+    `&mut self`)."""
+    @functools.wraps(method)
+    def locked(self: Npu, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 _Unit = Any  # a Run (one command) or a RunList (ERT_CMD_CHAIN packets over several)
 _UnitCache = dict[Any, tuple[tuple[Bo, ...], _Unit]]
+
+
+def _release_unit(unit: _Unit) -> None:
+    """Closes a command unit's packets (a RunList's chains and runs). A submission still on the device keeps
+    its buffers: the driver's job holds references to them until it completes (spec amdxdna-uapi.md 4.7)."""
+    if isinstance(unit, RunList):
+        unit.close()
+        for run in unit.runs:
+            run.close()
+    else:
+        unit.close()
 
 
 class Npu:
@@ -284,9 +340,10 @@ class Npu:
 
     Raises:
         BundleError: the bundle targets another NPU generation (or is invalid).
-        NpuError: a kernel failed to load for another reason than "no room", the device's generation is
-            unknown, or (emulator) a stream is already bound to another computation.
-        ValueError: bad `max_contexts` / `SAM3_MAX_CONTEXTS` / `evict`.
+        NpuError: a kernel failed to load for another reason than "no room", needs more AIE columns than the
+            device has, the device's generation is unknown, or (emulator) a stream is already bound to another
+            computation.
+        ValueError: bad `max_contexts` / `SAM3_MAX_CONTEXTS` / `evict` / `timeout`.
         XdnaError: the device could not be opened.
     """
 
@@ -294,6 +351,9 @@ class Npu:
                  evict: str = "lru", timeout: float | None = None):
         if evict not in EVICTION_POLICIES:
             raise ValueError(f"evict must be one of {EVICTION_POLICIES}, got {evict!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):  # checked here: a stage's wait comes after its submit
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
         self.cap = _max_contexts(max_contexts)
         self.evict = evict
@@ -301,6 +361,8 @@ class Npu:
         self._owns_device = not isinstance(device, Device)
         self.device = device if isinstance(device, Device) else open_device(device)
         self._contexts: dict[str, HwContext] = {}
+        self._closed = False
+        self._lock = threading.RLock()
         try:
             self._open()
         except BaseException:
@@ -311,6 +373,7 @@ class Npu:
         self.generation = device_generation(self.device)
         self.bundle.check_target(self.generation)
         self._sources = {key: self._source(key) for key in self.bundle.keys()}
+        self._check_widths()
         self._kernels: dict[str, Any] = {}
         self._arg_units: _UnitCache = {}
         self._lru: list[str] = []  # resident contexts, least recently used first
@@ -320,6 +383,16 @@ class Npu:
         if self.device.emulator is not None:
             self._bind_models()
         self._preload()
+
+    def _check_widths(self) -> None:
+        """A context wider than the array can never load: CREATE_HWCTX would refuse it the way it refuses a full
+        device, and loading it would evict every resident context first ("no room" is the driver's answer)."""
+        cols = self.device.aie_metadata().cols
+        for key in self.bundle.keys():
+            partition = self.bundle.xclbin(key).partition
+            if partition is not None and partition.column_width > cols:
+                raise NpuError(f"{key}: {self._sources[key].ctx} needs {partition.column_width} AIE columns, the "
+                               f"device has {cols}", key)
 
     def _source(self, key: str) -> _Source:
         k = self.bundle.kernel(key)
@@ -387,9 +460,15 @@ class Npu:
             self.loads += 1
         self._kernels[key] = self._contexts[src.ctx].kernel(src.name)
 
+    def _check_open(self, key: str | None) -> None:
+        """After `close` nothing may load a context (it would outlive the Npu) or allocate on its device."""
+        if self._closed:
+            raise NpuError(f"{key or 'Npu'}: the Npu is closed", key)
+
     def _kernel(self, key: str) -> tuple[Any, _Source]:
         """Kernel `key`, loaded if not resident (evicting while the device has no room); marks it used."""
-        src = self._sources.get(key)
+        self._check_open(key)
+        src = self._sources.get(key) if isinstance(key, str) else None
         if src is None:
             raise NpuError(f"no kernel {key!r} in bundle {self.bundle.root}", key)
         if key not in self._kernels:
@@ -445,7 +524,8 @@ class Npu:
         Raises:
             NpuError: no such GEMM.
         """
-        if key not in self.gemms:
+        self._check_open(key)
+        if not isinstance(key, str) or key not in self.gemms:
             raise NpuError(f"no GEMM {key!r} in bundle {self.bundle.root}", key)
         return self.gemms[key]
 
@@ -453,9 +533,13 @@ class Npu:
         """A device buffer holding `data` (packed weights), synced.
 
         Raises:
+            TypeError: `data` is a str (a path?) or holds Python objects.
             ValueError: `data` is empty.
             XdnaError: allocation or sync failed.
         """
+        self._check_open(None)
+        if isinstance(data, str):  # most likely a weights file's path: its text is not the weights
+            raise TypeError(f"upload: expected bytes or a numeric array, got str {data[:80]!r} (read the file first)")
         arr = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else np.asarray(data)
         if arr.nbytes == 0:
             raise ValueError("upload: no data")
@@ -489,13 +573,15 @@ class Npu:
         """Operands of GEMM `key` for `rows` rows (plain row-major A, `lda == k`), padded to a multiple of m.
 
         Raises:
-            NpuError: `key` is a convolution GEMM (use `conv_io`) or unknown.
+            NpuError: `key` is a convolution GEMM (use `conv_io`) or unknown, or the Npu is closed.
+            TypeError: `rows` is not an integer.
             ValueError: `rows` is not positive.
             XdnaError: allocation failed.
         """
         g = self.spec(key)
         if g.lda != g.k:
             raise NpuError(f"{key}: overlapping A (lda {g.lda} != k {g.k}), use conv_io", key)
+        rows = _integer(rows, f"{key}: rows")
         if rows <= 0:
             raise ValueError(f"{key}: rows must be positive, got {rows}")
         rows = round_up(rows, g.m)
@@ -506,9 +592,11 @@ class Npu:
 
         Raises:
             NpuError: `src.n != k`, `key` is a convolution GEMM, or `src`'s rows are not a multiple of `key`'s m.
+            TypeError: `src` is not an Io.
             XdnaError: allocation failed.
         """
         g = self.spec(key)
+        self._operand(key, src, Io, "io_chained source")
         if g.lda != g.k:
             raise NpuError(f"{key}: overlapping A (lda {g.lda} != k {g.k}) cannot read {src.key}'s C in place", key)
         if src.n != g.k:
@@ -524,7 +612,8 @@ class Npu:
         `(m-1)*lda + K` elements.
 
         Raises:
-            NpuError: `key` is not a conv3x3 GEMM.
+            NpuError: `key` is not a conv3x3 GEMM, or the Npu is closed.
+            TypeError: `h` or `w` not an integer.
             ValueError: `h` or `w` not positive.
             XdnaError: allocation failed.
         """
@@ -532,6 +621,7 @@ class Npu:
         geom = g.conv
         if geom is None:
             raise NpuError(f"{key}: b_layout {g.b_layout} is not a 3x3 convolution, use io", key)
+        h, w = _integer(h, f"{key}: map height"), _integer(w, f"{key}: map width")
         if h <= 0 or w <= 0:
             raise ValueError(f"{key}: map size {h}x{w} must be positive")
         rows = geom.rows(h, w, g.m)
@@ -552,12 +642,15 @@ class Npu:
         """q, k, v, o buffers of attention `key` for `batch` independent items (windows).
 
         Raises:
-            NpuError: no such attention kernel.
+            NpuError: no such attention kernel, or the Npu is closed.
+            TypeError: `batch` not an integer.
             ValueError: `batch` not positive.
             XdnaError: allocation failed.
         """
-        if key not in self.mhas:
+        self._check_open(key)
+        if not isinstance(key, str) or key not in self.mhas:
             raise NpuError(f"no MHA {key!r} in bundle {self.bundle.root}", key)
+        batch = _integer(batch, f"{key}: batch")
         if batch <= 0:
             raise ValueError(f"{key}: batch must be positive, got {batch}")
         item = self.mhas[key].elems * BF16_BYTES
@@ -588,9 +681,10 @@ class Npu:
         """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident
         and its pinned buffers are the same objects, else built (one Run, or a RunList for several)."""
         kernel, src = self._kernel(key)
-        entry = cache.get(ident)
+        entry = cache.pop(ident, None)
         if entry is not None and entry[1].ctx is kernel.ctx and all(x is y for x, y in zip(entry[0], pins,
                                                                                            strict=True)):
+            cache[ident] = entry  # most recently used last
             return entry[1]
         try:
             runs = make(kernel, src.insts)
@@ -598,20 +692,72 @@ class Npu:
         except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or too many buffers
             raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
         cache[ident] = (pins, unit)
+        # A unit pins its buffers and holds command BOs: a caller that runs fresh buffers every forward (new
+        # weights for one Io, a new Io's C for an op) would otherwise keep every one of them alive.
+        while len(cache) > UNIT_CACHE:
+            _release_unit(cache.pop(next(iter(cache)))[1])
         return unit
 
+    # -- operand checks (before any ioctl: a wrong buffer would otherwise surface as a device fault) -----
+
+    def _operand(self, key: str | None, obj: Any, cls: type, what: str) -> None:
+        """`obj` must be a `cls` (Io or MhaIo) made on this Npu's device."""
+        if not isinstance(obj, cls):
+            raise TypeError(f"{key or 'Npu'}: {what} must be an {cls.__name__}, got {type(obj).__name__}")
+        self._own_bo(obj.key, obj.c if isinstance(obj, Io) else obj.o, what)
+
+    def _own_bo(self, key: str | None, bo: Any, what: str) -> None:
+        if not isinstance(bo, Bo):
+            raise TypeError(f"{key}: {what} must be a Bo, got {type(bo).__name__}")
+        if bo.device is not self.device:
+            raise ValueError(f"{key}: {what} belongs to device {bo.device.name}, not this Npu's {self.device.name}")
+
+    def _weights(self, g: GemmSpec, w: Any) -> None:
+        """`w` must hold exactly GEMM `g`'s packed B (the kernel reads `b_bytes`; a wrong-sized buffer is
+        another kernel's weights, or too short for the device to read)."""
+        self._own_bo(g.key, w, "weights")
+        if w.size != g.b_bytes:
+            raise ValueError(f"{g.key}: weights of {w.size} bytes, B takes b_bytes={g.b_bytes} ({g.b_layout})")
+
+    def _arg_bytes(self, key: str, count: int) -> list[tuple[str, int]]:
+        """(name, bytes the kernel reads) of each of `count` `run_args` buffers of kernel `key` (spec 2, 5, 6)."""
+        if key in self.gemms:
+            g = self.gemms[key]
+            need = [("A", ((g.m - 1) * g.lda + g.k) * BF16_BYTES), ("B", g.b_bytes), ("C", g.m * g.n * BF16_BYTES)]
+        elif key in self.mhas:
+            need = [(name, self.mhas[key].elems * BF16_BYTES) for name in ("q", "k", "v", "o")]
+        else:
+            need = [(f"argument {i}", self.ops[key].elems * BF16_BYTES) for i in range(max(count, 1))]
+        if count != len(need):
+            raise ValueError(f"{key}: run_args takes {len(need)} buffer(s) ({', '.join(n for n, _ in need)}), "
+                             f"got {count}")
+        return need
+
+    def _check_args(self, key: str, args: tuple[Any, ...]) -> None:
+        for (name, nbytes), bo in zip(self._arg_bytes(key, len(args)), args, strict=True):
+            self._own_bo(key, bo, name)
+            if not bo.closed and bo.size < nbytes:  # a closed buffer is reported by Kernel.prepare_npu
+                raise ValueError(f"{key}: {name} has {bo.size} bytes, the kernel reads {nbytes}")
+
     def _gemm_unit(self, io: Io, w: Bo) -> _Unit:
+        self._operand(getattr(io, "key", None), io, Io, "operands")
+        self._weights(io.spec, w)
         return self._unit(io.key, io._units, id(w), (w,),
                           lambda k, insts: [k.prepare_npu(insts, [a, w, c]) for a, c in io.chunks])
 
     def _mha_unit(self, m: MhaIo) -> _Unit:
+        self._operand(getattr(m, "key", None), m, MhaIo, "attention operands")
         return self._unit(m.key, m._units, None, (), lambda k, insts: [k.prepare_npu(insts, it) for it in m.items])
 
     def _args_unit(self, key: str, args: Sequence[Bo]) -> _Unit:
         pins = tuple(args)
+        self._check_open(key)
+        if isinstance(key, str) and key in self._sources:
+            self._check_args(key, pins)
         return self._unit(key, self._arg_units, (key, tuple(map(id, pins))), pins,
                           lambda k, insts: [k.prepare_npu(insts, list(pins))])
 
+    @_exclusive
     def prepare(self, io: Io, w: Bo) -> None:
         """Loads `io`'s kernel and builds its command unit for weights `w` ahead of `run` (uploads the
         instruction stream once per context, so a measured stage moves only its data).
@@ -621,6 +767,7 @@ class Npu:
         """
         self._gemm_unit(io, w)
 
+    @_exclusive
     def prepare_mha(self, m: MhaIo) -> None:
         """`prepare` for an attention operand set.
 
@@ -629,6 +776,7 @@ class Npu:
         """
         self._mha_unit(m)
 
+    @_exclusive
     def prepare_args(self, key: str, args: Sequence[Bo]) -> None:
         """`prepare` for `run_args`.
 
@@ -639,14 +787,19 @@ class Npu:
 
     # -- running -----------------------------------------------------------------------------
 
+    @_exclusive
     def run(self, io: Io, w: Bo) -> float:
         """Runs `io`'s kernel over every chunk with weights `w` (A must be synced); returns seconds.
 
         Raises:
-            NpuError: loading failed or a chunk failed (naming the key and the chunk index).
+            TypeError: `io` is not an Io or `w` not a Bo.
+            ValueError: `w` is not `b_bytes` long, or a buffer belongs to another device.
+            NpuError: the Npu is closed, loading failed or a chunk failed (naming the key and the chunk index).
         """
-        return self._execute(io.key, self._gemm_unit(io, w), len(io.chunks))
+        unit = self._gemm_unit(io, w)
+        return self._execute(io.key, unit, len(io.chunks))
 
+    @_exclusive
     def run_synced(self, io: Io, w: Bo) -> float:
         """`run` with A synced first, unless A is another kernel's output (a sync would push the host's
         stale copy over it, spec 3).
@@ -654,6 +807,7 @@ class Npu:
         Raises:
             NpuError: as `run`, or syncing A failed.
         """
+        self._operand(getattr(io, "key", None), io, Io, "operands")
         if not io.chained:
             try:
                 io.sync_a()
@@ -661,27 +815,34 @@ class Npu:
                 raise NpuError(f"{io.key}: syncing A failed: {e}", io.key) from e
         return self.run(io, w)
 
+    @_exclusive
     def run_args(self, key: str, args: Sequence[Bo]) -> float:
         """Runs kernel `key` once over `args` (its argument order), none synced; returns seconds.
 
         Raises:
-            NpuError: loading or the run failed.
+            TypeError: an argument is not a Bo.
+            ValueError: the wrong number of buffers for a GEMM (A, B, C) or attention (q, k, v, o) kernel, none
+                for an op, a buffer smaller than the kernel reads, or one of another device.
+            NpuError: the Npu is closed, loading or the run failed.
         """
         return self._execute(key, self._args_unit(key, args), 1)
 
+    @_exclusive
     def run_mha(self, m: MhaIo) -> float:
         """Runs attention over q/k/v already pushed, every batch item in one chain; returns seconds.
 
         Raises:
-            NpuError: loading or a run failed (naming the item as the chunk).
+            TypeError: `m` is not an MhaIo.
+            NpuError: the Npu is closed, loading or a run failed (naming the item as the chunk).
         """
-        return self._execute(m.key, self._mha_unit(m), m.batch)
+        unit = self._mha_unit(m)
+        return self._execute(m.key, unit, m.batch)
 
     def _execute(self, key: str, unit: _Unit, chunks: int) -> float:
         """Submits a stage's command unit (a Run, or a RunList: one EXEC_CMD per chain packet) and waits once."""
         start = time.perf_counter()
         try:
-            unit.start()
+            self._submit(key, unit, chunks)
         except errors.XdnaError as e:
             raise NpuError(f"{key}: submitting {chunks} chunk(s) failed: {e}", key) from e
         try:
@@ -692,6 +853,25 @@ class Npu:
         except errors.XdnaError as e:
             raise NpuError(f"{key}: waiting for {chunks} chunk(s) failed: {e}", key) from e
         return time.perf_counter() - start
+
+    def _submit(self, key: str, unit: _Unit, chunks: int) -> None:
+        """`unit.start()`; when the unit's last submission timed out it is still on the device (start refuses
+        with RuntimeError): wait for it first, bounded by `timeout`. Its outcome was that stage's (reported
+        as a timeout then), so only whether it is still running matters here."""
+        try:
+            unit.start()
+            return
+        except RuntimeError:
+            pass
+        try:
+            unit.wait(self.timeout)
+        except errors.CommandError:
+            pass
+        try:
+            unit.start()
+        except RuntimeError as e:
+            raise NpuError(f"{key}: its previous submission of {chunks} chunk(s) timed out and is still running "
+                           f"after another {self.timeout} s", key) from e
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -714,6 +894,7 @@ class Npu:
 
     # -- teardown ----------------------------------------------------------------------------
 
+    @_exclusive
     def close(self) -> None:
         """Destroys the resident contexts (with their command packets) and, if this object opened the device,
         closes it. Idempotent.
@@ -721,6 +902,7 @@ class Npu:
         Raises:
             XdnaError: a release ioctl failed (everything else was still released).
         """
+        self._closed = True
         steps = [lambda ctx=ctx: self._release_context(ctx) for ctx in list(self._contexts)]
         self._lru = []
         if self._owns_device:

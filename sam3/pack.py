@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ BF16_BYTES = 2
 COPY_BLOCK = 1 << 22
 _COPY_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def round_up(x: int, m: int) -> int:
@@ -50,6 +52,25 @@ def from_bf16(bits: np.ndarray) -> np.ndarray:
     elif arr.dtype != ml_dtypes.bfloat16:
         raise TypeError(f"from_bf16: expected uint16 bit patterns or bfloat16, got {arr.dtype}")
     return arr.astype(np.float32)
+
+
+def _bf16_values(bits: np.ndarray, what: str) -> np.ndarray:
+    """float32 values of bf16 data given as bit patterns (uint16), bfloat16, or raw bytes (uint8, as read from
+    a file), flattened. Anything else is refused: viewing float32 data as uint16 would silently make twice
+    as many meaningless values.
+
+    Raises:
+        TypeError: another dtype.
+        ValueError: an odd number of bytes.
+    """
+    arr = np.ascontiguousarray(bits).reshape(-1)
+    if arr.dtype == np.uint8:
+        if arr.size % BF16_BYTES:
+            raise ValueError(f"{what}: {arr.size} bytes are not a whole number of bf16 values")
+        arr = arr.view(np.uint16)
+    if arr.dtype != np.uint16 and arr.dtype != ml_dtypes.bfloat16:
+        raise TypeError(f"{what}: expected bf16 data (uint16 bit patterns, bfloat16 or bytes), got {arr.dtype}")
+    return from_bf16(arr)
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -100,7 +121,8 @@ def parse_layout(text: str) -> Layout:
 
 def _positive_ints(text: str, params: str, count: int) -> list[int]:
     parts = params.split(",") if params else []
-    if len(parts) != count or not all(p.isdigit() and int(p) > 0 for p in parts):
+    # ASCII digits only: str.isdigit also takes superscripts (int() refuses them) and other scripts' digits.
+    if len(parts) != count or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"b_layout {text!r}: expected {count} positive integer parameter(s)")
     return [int(p) for p in parts]
 
@@ -154,9 +176,10 @@ def unpack_conv3x3(packed: np.ndarray, d: int, p: int, cout: int) -> np.ndarray:
     """The conv weight `W[Cout][D][3][3]` (float32) a `conv3x3:P` B was packed from (its output pixel 0 taps).
 
     Raises:
+        TypeError: `packed` is not bf16 data.
         ValueError: the packed size is not `(P+2)*D x 3*P*Cout`.
     """
-    vals = from_bf16(np.asarray(packed).view(np.uint16).reshape(-1))
+    vals = _bf16_values(packed, "unpack_conv3x3")
     if vals.size != (p + 2) * d * 3 * p * cout:
         raise ValueError(f"unpack_conv3x3: {vals.size} elements packed, {(p + 2) * d}x{3 * p * cout} expected")
     b = vals.reshape(p + 2, d, 3, p, cout)
@@ -168,10 +191,11 @@ def b_matrix(packed: np.ndarray, layout: str | Layout, k: int, n: int) -> np.nda
     """The `[k][n]` float32 matrix a packed B stands for (inverse of `pack_b`; conv3x3 is already [K][N]).
 
     Raises:
+        TypeError: `packed` is not bf16 data.
         ValueError: the packed size is not k*n or the layout does not tile k x n.
     """
     lay = layout if isinstance(layout, Layout) else parse_layout(layout)
-    vals = from_bf16(np.asarray(packed).view(np.uint16).reshape(-1))
+    vals = _bf16_values(packed, "b_matrix")
     if vals.size != k * n:
         raise ValueError(f"b_matrix: {vals.size} elements packed, {k}x{n} expected")
     if lay.kind in ("kn", "conv3x3"):
@@ -214,7 +238,13 @@ class ConvGeometry:
         return cls(d=d, p=p, cout=n // (3 * p))
 
     def rows(self, h: int, w: int, m: int) -> int:
-        """GEMM rows for an `h x w` map, rounded up to the kernel's `m`."""
+        """GEMM rows for an `h x w` map, rounded up to the kernel's `m`.
+
+        Raises:
+            ValueError: `m` is not positive.
+        """
+        if m <= 0:
+            raise ValueError(f"ConvGeometry.rows: m must be positive, got {m}")
         return round_up(math.ceil(h * (w + 2) / self.p), m)
 
     def y_elems(self, rows: int) -> int:
@@ -240,15 +270,18 @@ def conv_input(x: np.ndarray, geom: ConvGeometry, rows: int) -> np.ndarray:
 
 
 def conv_output(c: np.ndarray, geom: ConvGeometry, h: int, w: int) -> np.ndarray:
-    """The `[h][w][Cout]` float32 conv result from the GEMM's C (bf16 bits, `rows x 3*P*Cout`).
+    """The `[h][w][Cout]` float32 conv result from the GEMM's C (bf16 bits, `rows x 3*P*Cout`; not floats).
 
     Sums the three kernel rows (`out[y] = part0[y-1] + part1[y] + part2[y+1]`) and drops the two
     pad columns of each row (spec 4).
 
     Raises:
-        ValueError: C is too small for an `h x w` map.
+        TypeError: C is not bf16 data.
+        ValueError: C is too small for an `h x w` map, or the map size is not positive.
     """
-    vals = from_bf16(np.asarray(c).view(np.uint16).reshape(-1))
+    if h <= 0 or w <= 0:
+        raise ValueError(f"conv_output: map size {h}x{w} must be positive")
+    vals = _bf16_values(c, "conv_output")
     width = 3 * geom.p * geom.cout
     if vals.size % width or (vals.size // width) * geom.p < h * (w + 2):
         raise ValueError(f"conv_output: {vals.size} elements of C do not cover a {h}x{w} map")
@@ -271,6 +304,8 @@ def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
     Raises:
         ValueError: the width is not a multiple of `heads`.
     """
+    if x.ndim < 2 or heads <= 0:
+        raise ValueError(f"split_heads: expected [..., seq, width] and heads > 0, got shape {x.shape}, {heads} heads")
     *lead, seq, width = x.shape
     if width % heads:
         raise ValueError(f"split_heads: width {width} is not a multiple of {heads} heads")
@@ -279,7 +314,13 @@ def split_heads(x: np.ndarray, heads: int) -> np.ndarray:
 
 
 def merge_heads(x: np.ndarray) -> np.ndarray:
-    """`[..., heads, seq, d]` -> `[..., seq, heads*d]` (contiguous)."""
+    """`[..., heads, seq, d]` -> `[..., seq, heads*d]` (contiguous).
+
+    Raises:
+        ValueError: fewer than 3 dimensions.
+    """
+    if x.ndim < 3:
+        raise ValueError(f"merge_heads: expected [..., heads, seq, d], got shape {x.shape}")
     *lead, heads, seq, d = x.shape
     return np.ascontiguousarray(np.moveaxis(x, -3, -2)).reshape(*lead, seq, heads * d)
 
@@ -290,6 +331,8 @@ def window_partition(x: np.ndarray, win: int) -> np.ndarray:
     Raises:
         ValueError: `win` does not divide H and W.
     """
+    if x.ndim != 3 or win <= 0:
+        raise ValueError(f"window_partition: expected [H][W][C] and win > 0, got shape {x.shape}, win {win}")
     hh, ww, c = x.shape
     if hh % win or ww % win:
         raise ValueError(f"window_partition: {win}x{win} windows do not tile a {hh}x{ww} grid")
@@ -303,6 +346,8 @@ def window_merge(x: np.ndarray, win: int, hh: int, ww: int) -> np.ndarray:
     Raises:
         ValueError: the window count does not match an `hh x ww` grid.
     """
+    if x.ndim != 3 or win <= 0:
+        raise ValueError(f"window_merge: expected [windows][win*win][C] and win > 0, got shape {x.shape}, win {win}")
     n, t, c = x.shape
     if hh % win or ww % win or n != (hh // win) * (ww // win) or t != win * win:
         raise ValueError(f"window_merge: {n} windows of {t} tokens do not make a {hh}x{ww} grid")
@@ -316,9 +361,10 @@ def window_merge(x: np.ndarray, win: int, hh: int, ww: int) -> np.ndarray:
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_COPY_WORKERS, thread_name_prefix="sam3-copy")
-    return _pool
+    with _pool_lock:  # two first copies from two threads must not start two pools (one would never shut down)
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_COPY_WORKERS, thread_name_prefix="sam3-copy")
+        return _pool
 
 
 def copy_wide(dst: np.ndarray, src: np.ndarray) -> None:

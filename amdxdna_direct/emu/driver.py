@@ -64,6 +64,7 @@ MAX_ARG_COUNT = 4095
 MAX_CONFIG_CU_SIZE = 4096
 MAX_CUS = 32
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (spec 4.4, 7)
+MAX_LFS_FILESIZE = (1 << 63) - 1    # shmem_file_setup refuses a larger (negative loff_t) size with EINVAL
 DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (spec 4.4 staging)
 ERT_STATE_COMPLETED = 4
 AMDXDNA_CMD_SUBMIT_EXEC_BUF = 0
@@ -89,6 +90,10 @@ TELEMETRY_DATA_MAX = 4 << 20
 TELEMETRY_TYPES = 4                 # emulator choice: telemetry types the firmware knows (spec 10 gives none)
 ASYNC_ERROR_SIZE = L.async_error.size
 WAIT_SLICE_S = 60.0
+CLOSE_DRAIN_S = 10.0                # EmuDevice.close waits this long for ioctls still running on its fds
+# kmalloc_array beyond KMALLOC_MAX_SIZE (x86_64: 1 << (MAX_PAGE_ORDER 10 + PAGE_SHIFT)) returns NULL, so DRM
+# answers ENOMEM for a user array that large (drm_syncobj_array_find, the timeline points) before copying it.
+KMALLOC_MAX_SIZE = 4 << 20
 
 
 # =====================================================================================================
@@ -184,19 +189,30 @@ class Fence:
 
 
 class Timeline:
-    """A DRM syncobj: a chain of (point, fence) links (dma_fence_chain semantics, spec 5).
+    """A DRM syncobj: a chain of (point, fence, prev_seqno) links (dma_fence_chain semantics, spec 5).
 
-    Waiting on point P waits for the first link whose point is >= P and every link before it; point 0
-    waits for the latest fence. Signalled links at the head are pruned, remembering their point.
+    A link continues the chain (prev_seqno = the previous point) when its point is later than the latest;
+    otherwise dma_fence_chain_init gives it the latest point and a new fence context (prev_seqno 0), and a
+    link over a plain fence (CREATE_SIGNALED, a binary signal, an empty syncobj) starts one too. A plain
+    fence is stored with prev_seqno -1. Waiting on point P is dma_fence_chain_find_seqno: walking back from
+    the head, the first link whose prev_seqno is below P, with every link before it; point 0 waits for the
+    latest fence. Signalled links at the head of the list are pruned, remembering their point.
     """
 
     def __init__(self, signalled: bool = False):
-        self.links: list[tuple[int, Fence]] = [(0, Fence(True))] if signalled else []
+        self.links: list[tuple[int, Fence, int]] = [(0, Fence(True), -1)] if signalled else []
         self.pruned_point: int | None = None
 
     def add(self, point: int, fence: Fence) -> None:
-        """Append a point (EXEC_CMD's job fence, TIMELINE_SIGNAL's stub)."""
-        self.links.append((point, fence))
+        """Append a point (EXEC_CMD's job fence, TIMELINE_SIGNAL's stub); the timeline never goes backwards."""
+        head = self.links[-1] if self.links else None
+        if head is None or head[2] < 0:
+            prev = 0                        # no chain before it: a new fence context
+        elif point > head[0]:
+            prev = head[0]
+        else:
+            point, prev = head[0], 0        # "make sure that we always have a valid sequence number"
+        self.links.append((point, fence, prev))
         while len(self.links) > 1 and self.links[0][1].signalled:
             self.pruned_point = self.links.pop(0)[0]
 
@@ -212,21 +228,17 @@ class Timeline:
         latest = self.latest
         if latest is None or point > latest:
             return None
-        if self.pruned_point is not None and 0 < point <= self.pruned_point:
-            return []           # the link that covers it was signalled and pruned
-        if point == 0:
-            return [fence for _, fence in self.links]
-        fences = []
-        for link_point, fence in self.links:
-            fences.append(fence)
-            if link_point >= point:
-                break
-        return fences
+        index = len(self.links) - 1
+        if point:
+            while index >= 0 and self.links[index][2] >= point:
+                index -= 1
+        # Walking past the first kept link means the link found was signalled and pruned.
+        return [fence for _, fence, _ in self.links[:index + 1]]
 
     def signalled_point(self) -> int:
         """The last point such that it and every earlier link are signalled (SYNCOBJ_QUERY)."""
         point = self.pruned_point or 0
-        for link_point, fence in self.links:
+        for link_point, fence, _ in self.links:
             if not fence.signalled:
                 break
             point = link_point
@@ -234,7 +246,7 @@ class Timeline:
 
     def replace(self, fence: Fence | None) -> None:
         """Binary signal (a signalled stub) or reset (no fence)."""
-        self.links = [] if fence is None else [(0, fence)]
+        self.links = [] if fence is None else [(0, fence, -1)]
         self.pruned_point = None
 
 
@@ -410,6 +422,9 @@ class Client:
         self.closing: list[HwCtx] = []          # contexts being destroyed (still own columns)
         self.last_ctx_handle = 0
         self.closed = False
+        # ioctls running on this fd: each holds the file like fget() does, so the release that close
+        # triggers runs when the last of them returns (fput), never under a call still using the fd.
+        self.users = 0
 
     @staticmethod
     def lowest_free(table: dict) -> int:
@@ -529,6 +544,7 @@ class EmuDevice:
         self.faults = Faults(self)
         self.firmware = Firmware(self, tdr_timeout=tdr_timeout)
         self.models = self.firmware.models
+        self.closing = False            # close() started: blocked ioctls give up (ENODEV)
         self.closed = False
 
     # --- life cycle ---
@@ -540,18 +556,30 @@ class EmuDevice:
             OSError: ENODEV when the device was lost or closed.
         """
         with self.lock:
-            if self.lost or self.closed:
+            if self.lost or self.closing:
                 raise fail(errno.ENODEV, "open", f"device {self.profile.name} is gone")
             client = Client(self)
             self.clients.append(client)
         return EmuSeam(self, client)
 
     def close(self) -> None:
-        """Close every fd (destroying their contexts) and stop the firmware worker. Idempotent."""
-        if self.closed:
-            return
+        """Close every fd (destroying their contexts) and stop the firmware worker. Idempotent.
+
+        Ioctls blocked in a wait give up with ENODEV; an fd with an ioctl still running is released when that
+        ioctl returns, which close waits for (up to CLOSE_DRAIN_S).
+        """
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+            self.cond.notify_all()
         for client in list(self.clients):
             self.close_client(client)
+        with self.lock:
+            # An fd whose last ioctl is still returning is released by that ioctl (bounded: waits give up).
+            deadline = time.monotonic() + CLOSE_DRAIN_S
+            while self.clients and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(left)
         self.firmware.stop()
         self.closed = True
 
@@ -607,12 +635,22 @@ class EmuDevice:
         """
         nr = (request >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
         type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
-        user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
-        user_dir = request >> IOC_DIRSHIFT
         entry = self.table.get(nr) if type_byte == DRM_IOCTL_BASE else None
         op = entry.name if entry is not None else f"ioctl({request:#x})"
-        if client.closed:
-            raise fail(errno.EBADF, op, "fd closed")
+        with self.lock:
+            if client.closed:
+                raise fail(errno.EBADF, op, "fd closed")
+            client.users += 1
+        try:
+            return self._dispatch(client, entry, op, request, buf)
+        finally:
+            self._put_client(client)
+
+    def _dispatch(self, client: Client, entry: IoctlDef | None, op: str, request: int, buf) -> int:
+        nr = (request >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
+        type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
+        user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
+        user_dir = request >> IOC_DIRSHIFT
         if self.lost:
             raise fail(errno.ENODEV, op, "device lost (drm_dev_is_unplugged)")
         if type_byte != DRM_IOCTL_BASE:
@@ -625,26 +663,39 @@ class EmuDevice:
             raise fail(errno.EACCES, entry.name, "DRM_ROOT_ONLY without CAP_SYS_ADMIN")
         if entry.handler is None:
             raise fail(errno.EOPNOTSUPP, entry.name, "sync-file / eventfd / transfer are not modelled by the emulator")
-        kdata, out_size = self._copy_in(entry, user_dir, user_size, buf)
+        kdata, view, out_size = self._copy_in(entry, user_dir, user_size, buf)
         args = entry.layout.unpack(kdata)
         getattr(self, "_ioctl_" + entry.handler)(client, args)
         entry.layout.pack_into(kdata, 0, args)
         if out_size:
-            memoryview(buf).cast("B")[:out_size] = kdata[:out_size]
+            view[:out_size] = kdata[:out_size]
         return 0
 
     @staticmethod
-    def _copy_in(entry: IoctlDef, user_dir: int, user_size: int, buf) -> tuple[bytearray, int]:
+    def _copy_in(entry: IoctlDef, user_dir: int, user_size: int, buf) -> tuple[bytearray, memoryview, int]:
+        """The kernel copy of the argument: (kdata, the caller's bytes, bytes to copy back).
+
+        Raises:
+            TypeError: `buf` is not a C-contiguous buffer, or is read-only while the ioctl writes back
+                (checked before the handler runs, so a bad buffer has no side effect).
+            OSError: EFAULT when `buf` is shorter than the request's size field.
+        """
         # drm_ioctl: copy in only if both sides say IN, out only if both say OUT; the kernel buffer is
         # max(user, kernel) bytes with the tail zero-filled (spec 4.0, rule D3).
         in_size = user_size if user_dir & entry.direction & IOC_WRITE else 0
         out_size = user_size if user_dir & entry.direction & IOC_READ else 0
+        try:
+            view = memoryview(buf).cast("B")
+        except TypeError as exc:
+            raise TypeError(f"{entry.name}: the argument must be a C-contiguous writable buffer "
+                            f"(bytearray, ffi.buffer, memoryview), got {type(buf).__name__}: {exc}") from exc
+        if out_size and view.readonly:
+            raise TypeError(f"{entry.name}: the argument buffer is read-only, the ioctl writes {out_size} bytes back")
         kdata = bytearray(max(in_size, out_size, entry.layout.size))
-        view = memoryview(buf).cast("B")
         if len(view) < max(in_size, out_size):
             raise fail(errno.EFAULT, entry.name, f"argument buffer of {len(view)} bytes < {user_size}")
         kdata[:in_size] = view[:in_size]
-        return kdata, out_size
+        return kdata, view, out_size
 
     # --- DRM core ioctls (spec 5) ---
 
@@ -684,7 +735,10 @@ class EmuDevice:
                 # Chunks share one window file, which cannot tell them apart on import.
                 raise fail(errno.EOPNOTSUPP, op, "exporting an expandable-heap chunk is not modelled")
             # The exported "dma-buf" is a dup of the BO's memfd: a real fd the caller owns and closes.
-            fd = os.dup(bo.memfd)
+            try:
+                fd = os.dup(bo.memfd)
+            except OSError as exc:      # dma_buf_fd: get_unused_fd_flags fails with EMFILE/ENFILE
+                raise fail(exc.errno, op, "no free file descriptor for the dma-buf") from exc
             os.set_inheritable(fd, not a["flags"] & DRM_CLOEXEC)
             stat = os.fstat(fd)
             self.exports[(stat.st_dev, stat.st_ino)] = bo
@@ -925,6 +979,8 @@ class EmuDevice:
             a["handle"] = bo.handle
 
     def _backed_bo(self, kind: int, size: int, op: str) -> Bo:
+        if size > MAX_LFS_FILESIZE:
+            raise fail(errno.EINVAL, op, f"size {size:#x} exceeds MAX_LFS_FILESIZE (shmem_file_setup)")
         try:
             memfd, backing, view = new_backing(size, f"amdxdna-{kind}")
         except OSError as exc:
@@ -975,8 +1031,12 @@ class EmuDevice:
                 memory.window = HeapWindow(max_size)
             except OSError as exc:
                 raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
+        try:
+            memfd = memory.window.chunk_fd()
+        except OSError as exc:
+            raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
         bo = Bo(handle=0, kind=AMDXDNA_BO_DEV_HEAP, size=size, mem=memory.window.view[offset:offset + size],
-                xdna_addr=AIE2_DEVM_BASE + offset, map_offset=self.next_map_offset, memfd=memory.window.chunk_fd(),
+                xdna_addr=AIE2_DEVM_BASE + offset, map_offset=self.next_map_offset, memfd=memfd,
                 file_offset=offset, _backing=memory.window.backing)
         self.next_map_offset += size
         self.live_bos += 1
@@ -1121,10 +1181,10 @@ class EmuDevice:
 
     def _wait_for_slot(self, ctx: HwCtx, op: str) -> None:
         """Block (lock released) while the context has HWCTX_MAX_CMDS jobs in flight (spec 4.7 step 6)."""
-        while ctx.inflight >= HWCTX_MAX_CMDS and not (ctx.destroyed or self.lost):
+        while ctx.inflight >= HWCTX_MAX_CMDS and not (ctx.destroyed or self.lost or self.closing):
             self.cond.wait()
-        if self.lost:
-            raise fail(errno.ENODEV, op, "device lost while waiting for an in-flight slot")
+        if self.lost or self.closing:
+            raise fail(errno.ENODEV, op, "device lost or closed while waiting for an in-flight slot")
         if ctx.destroyed:
             raise fail(errno.EINVAL, op, "hwctx destroyed while waiting for an in-flight slot")
 
@@ -1163,12 +1223,18 @@ class EmuDevice:
             if fence is None and a["seq"] >= ctx.next_seq:
                 raise fail(errno.EINVAL, op, "seq never submitted")
             deadline = None if a["timeout"] == 0 else time.monotonic() + a["timeout"] / 1000
-            if fence is not None and not self._wait_until(lambda: fence.signalled, deadline):
+            if fence is not None and not self._wait_until(lambda: fence.signalled, deadline, op):
                 raise fail(errno.ETIME, op, f"not done after {a['timeout']} ms")
 
-    def _wait_until(self, predicate: Callable[[], bool], deadline: float | None) -> bool:
-        """Wait on the device condition (lock held) until `predicate()` or `deadline` (time.monotonic)."""
+    def _wait_until(self, predicate: Callable[[], bool], deadline: float | None, op: str) -> bool:
+        """Wait on the device condition (lock held) until `predicate()` or `deadline` (time.monotonic).
+
+        Raises:
+            OSError: ENODEV when EmuDevice.close starts meanwhile (the wait would outlive the device).
+        """
         while not predicate():
+            if self.closing:
+                raise fail(errno.ENODEV, op, "the emulated device was closed while waiting")
             remaining = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -1382,12 +1448,12 @@ class EmuDevice:
         count = a["count_handles"]
         if count == 0:
             raise fail(errno.EINVAL, op, "count_handles is 0")
-        raw = usermem.read(a["handles"], 4 * count, op + " handles")
+        raw = _user_array(a["handles"], count, 4, op, "handles")
         with self.lock:
             return [self._syncobj(client, int.from_bytes(raw[i:i + 4], "little"), op) for i in range(0, 4 * count, 4)]
 
     def _points(self, a: dict, op: str) -> list[int]:
-        raw = usermem.read(a["points"], 8 * a["count_handles"], op + " points")
+        raw = _user_array(a["points"], a["count_handles"], 8, op, "points")
         return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
 
     def _ioctl_syncobj_wait(self, client: Client, a: dict) -> None:
@@ -1411,7 +1477,7 @@ class EmuDevice:
                     if tl.fences_for(point) is None:
                         raise fail(errno.EINVAL, op, f"entry {index}: point {point} not submitted")
             ready = _wait_predicate(timelines, points, flags)
-            if not self._wait_until(lambda: ready() is not None, deadline):
+            if not self._wait_until(lambda: ready() is not None, deadline, op):
                 raise fail(errno.ETIME, op, "timeout")
             first = ready()
             if not flags & DRM_SYNCOBJ_WAIT_FLAGS_WAIT_ALL:
@@ -1461,15 +1527,33 @@ class EmuDevice:
     # --- fds ---
 
     def close_client(self, client: Client) -> None:
-        """fd close: destroy every context of the fd (rule H14), drop its handles and mappings."""
+        """fd close: no new ioctl gets in (EBADF); once none runs, release the fd (idempotent).
+
+        The release destroys every context of the fd (rule H14) and drops its handles and mappings; with
+        ioctls still running on the fd it is left to the last of them (the kernel's fput).
+        """
         with self.lock:
             if client.closed:
                 return
+            client.closed = True
+            self.cond.notify_all()
+            if client.users:
+                return
+        self._release_client(client)
+
+    def _put_client(self, client: Client) -> None:
+        with self.lock:
+            client.users -= 1
+            if client.users or not client.closed:
+                return
+        self._release_client(client)
+
+    def _release_client(self, client: Client) -> None:
+        with self.lock:
             contexts = list(client.contexts.values())
         for ctx in contexts:
             self.destroy_context(ctx)
         with self.lock:
-            client.closed = True
             client.syncobjs.clear()
             for start, (size, _, _) in list(client.memory.mappings.items()):
                 usermem.munmap(start, size)
@@ -1484,6 +1568,7 @@ class EmuDevice:
             if client.memory.window is not None:
                 client.memory.window.close()
             self.clients.remove(client)
+            self.cond.notify_all()
 
 
 # Dispatch tables: param -> (method, minimum DRM minor, leading arguments) (spec 10, 11).
@@ -1510,6 +1595,18 @@ def _add_usage(usage: dict, client: Client) -> None:
         usage["total_usage"] += bo.size
         if bo.kind in (AMDXDNA_BO_DEV_HEAP, AMDXDNA_BO_CMD):
             usage["internal_usage"] += bo.size
+
+
+def _user_array(addr: int, count: int, item_size: int, op: str, what: str) -> bytes:
+    """kmalloc_array + copy_from_user of `count` items of `item_size` bytes at user address `addr`.
+
+    Raises:
+        OSError: ENOMEM (the array exceeds KMALLOC_MAX_SIZE), EFAULT (unreadable).
+    """
+    size = count * item_size
+    if size > KMALLOC_MAX_SIZE:
+        raise fail(errno.ENOMEM, op, f"{count} {what} ({size} bytes) exceed kmalloc's {KMALLOC_MAX_SIZE} bytes")
+    return usermem.read(addr, size, f"{op} {what}")
 
 
 def _deadline(timeout_nsec: int) -> float:
@@ -1576,12 +1673,16 @@ class EmuSeam:
                 raise fail(errno.EINVAL, op, "no BO of this fd has that map_offset")
             if private:
                 raise fail(errno.EINVAL, op, "shmem GEM objects need MAP_SHARED")
-            if length == 0 or length > bo.size:
+            if not 0 < length <= bo.size:
                 raise fail(errno.EINVAL, op, f"length must be 1..{bo.size:#x} (BO size)")
             flags = usermem.MAP_SHARED | (usermem.MAP_FIXED if addr else 0)
             mapped = usermem.mmap(addr, length, usermem.PROT_READ | usermem.PROT_WRITE, flags, bo.memfd,
                                   bo.file_offset)
             bo.refs += 1        # a mapping keeps the GEM object alive (spec 7, lifetime)
+            # The new mapping replaces whatever was mapped in its range (MAP_FIXED unmaps it first): the
+            # device must no longer resolve those addresses to the old BO, whose mapping reference goes.
+            for _, _, old in client.memory.remove_range(mapped, page_align(length)):
+                dev.unref_bo(old)
             client.memory.add_mapping(mapped, page_align(length), bo)
             if bo.vaddr == AMDXDNA_INVALID_ADDR:
                 bo.vaddr = mapped
@@ -1591,11 +1692,13 @@ class EmuSeam:
         """An anonymous PROT_NONE reservation of `length` bytes aligned to `alignment`.
 
         Raises:
-            ValueError: `alignment` is not a power of two multiple of the page size.
+            ValueError: `alignment` is not a power of two multiple of the page size, or `length` <= 0.
             OSError: mmap's errno.
         """
         if alignment < PAGE_SIZE or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= {PAGE_SIZE}, got {alignment:#x}")
+        if length <= 0:
+            raise ValueError(f"reserve: length must be > 0, got {length}")
         length = page_align(length)
         flags = usermem.MAP_PRIVATE | usermem.MAP_ANONYMOUS | _MAP_NORESERVE
         base = usermem.mmap(0, length + alignment, usermem.PROT_NONE, flags, -1, 0)
@@ -1613,9 +1716,11 @@ class EmuSeam:
         Raises:
             OSError: munmap's errno.
         """
-        usermem.munmap(addr, length)
         dev = self.device
+        # Unmap and forget under one lock, as mmap maps and records: else another thread's mmap can be given
+        # the freed addresses in between, and this call would then forget that new mapping.
         with dev.lock:
+            usermem.munmap(addr, length)
             for _, _, bo in self.client.memory.remove_range(addr, page_align(length)):
                 dev.unref_bo(bo)
 

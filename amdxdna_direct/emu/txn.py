@@ -36,6 +36,8 @@ AIE_ROWS = 6
 SHIM_BD_BASE = 0x1D000
 SHIM_BD_STRIDE = 0x20
 SHIM_BD_COUNT = 16
+# The shim DMA registers the firmware model reads (BDs, channel control, task queues); other writes are checked only.
+SHIM_DMA_FIRST, SHIM_DMA_END = 0x1D000, 0x1D300
 # Shim DMA task queues (AIE-ML register map): S2MM 0/1 at 0x1D204/0x1D20C, MM2S 0/1 at 0x1D214/0x1D21C.
 TASK_QUEUES = {0x1D204: ("s2mm", 0), 0x1D20C: ("s2mm", 1), 0x1D214: ("mm2s", 0), 0x1D21C: ("mm2s", 1)}
 
@@ -104,7 +106,7 @@ class TxnProgram:
     """A walked stream: its header and what firmware acts on, in op order."""
 
     header: TxnHeader
-    registers: dict[int, int] = field(default_factory=dict)   # last value written to each register
+    registers: dict[int, int] = field(default_factory=dict)   # last value of each shim DMA register written
     patches: list[DdrPatch] = field(default_factory=list)
     pushes: list[QueuePush] = field(default_factory=list)
     syncs: list[Sync] = field(default_factory=list)
@@ -195,8 +197,7 @@ def _apply(program: TxnProgram, op: memoryview, index: int) -> None:
         old = program.registers.get(op[2], 0)
         _write(program, op[2], (old & ~op[5]) | (op[4] & op[5]), index)
     elif opcode == OP_BLOCKWRITE:
-        for i, value in enumerate(op[4:]):
-            _write(program, op[2] + 4 * i, value, index)
+        _block_write(program, op[2], op[4:], index)
     elif opcode == OP_DDR_PATCH:
         program.patches.append(_patch(program, op, index))
     elif opcode == OP_TCT:
@@ -210,10 +211,31 @@ def _check_addr(program: TxnProgram, addr: int, index: int) -> None:
                        f"{program.header.num_cols}-column partition", index)
 
 
+def _block_write(program: TxnProgram, addr: int, values: memoryview, index: int) -> None:
+    """A BLOCKWRITE, one tile's register space at a time, keeping only the shim DMA words.
+
+    The firmware model reads nothing but shim BDs and task queues, so the rest of a block is checked per tile,
+    not stored word by word: a stream of millions of words costs neither memory nor time.
+    """
+    end = addr + 4 * len(values)
+    start = addr
+    while start < end:
+        stop = min(end, (start | _TILE_OFFSET_MASK) + 1)
+        _check_addr(program, start, index)
+        tile = start & ~_TILE_OFFSET_MASK
+        lo, hi = max(start, tile + SHIM_DMA_FIRST), min(stop, tile + SHIM_DMA_END)
+        if not (start >> 20) & 0x1F and lo < hi:
+            for i in range(-(-(lo - addr) // 4), -(-(hi - addr) // 4)):
+                _write(program, addr + 4 * i, values[i], index)
+        start = stop
+
+
 def _write(program: TxnProgram, addr: int, value: int, index: int) -> None:
     _check_addr(program, addr, index)
+    if (addr >> 20) & 0x1F or not SHIM_DMA_FIRST <= addr & _TILE_OFFSET_MASK < SHIM_DMA_END:
+        return              # not a shim DMA register: nothing the firmware model reads (see _block_write)
     program.registers[addr] = value & 0xFFFFFFFF
-    queue = TASK_QUEUES.get(addr & _TILE_OFFSET_MASK) if (addr >> 20) & 0x1F == 0 else None
+    queue = TASK_QUEUES.get(addr & _TILE_OFFSET_MASK)
     if queue is not None:
         program.pushes.append(QueuePush(index, addr >> 25, queue[0], queue[1], value & 0xF, (value >> 16) & 0xFF))
 
