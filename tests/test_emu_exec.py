@@ -908,6 +908,20 @@ def test_tdr_default_is_two_seconds_and_must_be_positive(npus):
             EmuDevice("npu4", tdr_timeout=bad)
 
 
+def test_tdr_timeout_may_be_huge_or_infinite_but_must_be_a_number(npus):
+    """An infinite TDR never times out; it used to overflow the watch's wait, ending every job ABORT as an
+    internal firmware failure."""
+    for tdr in (math.inf, 1e300):
+        npu = npus(tdr=tdr)
+        ctx, syncobj = npu.context()
+        job = npu.passthrough()
+        assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
+        assert read_addr(job["out"], job["nbytes"]) == job["src"]
+    for bad in ("2", None, True):
+        with pytest.raises(TypeError, match="tdr_timeout must be a number of seconds"):
+            EmuDevice("npu4", tdr_timeout=bad)
+
+
 def test_device_loss(npus):
     npu = npus()
     ctx, syncobj = npu.context()

@@ -841,7 +841,10 @@ def test_profiles_and_options():
                                                 "npu5": (0x17F0, 0x11, 8, 16, 4), "npu6": (0x17F0, 0x20, 8, 16, 4)}
     with pytest.raises(ValueError, match="dev_heap_max_size"):
         EmuDevice("npu4", dev_heap_max_size=3 << 20)
-    with pytest.raises(KeyError):
+    for bad in ("x", 3 << 20, 1.5 * (64 << 20)):            # a non-int used to fail deep in a comparison
+        with pytest.raises(ValueError, match="dev_heap_max_size"):
+            EmuDevice("npu4", dev_heap_max_size=bad)
+    with pytest.raises(KeyError, match="unknown emulator profile 'npu9' .profiles: npu1, npu4, npu5, npu6"):
         EmuDevice("npu9")
 
 
@@ -851,8 +854,9 @@ def test_emulator_is_independent_of_the_binding():
 
     import amdxdna_direct.emu as emu
 
-    allowed = {"__future__", "collections", "ctypes", "dataclasses", "errno", "functools", "hashlib", "logging", "math",
-               "mmap", "os", "queue", "re", "struct", "threading", "time", "typing", "numpy", "ml_dtypes"}
+    allowed = {"__future__", "collections", "contextlib", "ctypes", "dataclasses", "errno", "functools", "hashlib",
+               "logging", "math", "mmap", "operator", "os", "queue", "re", "struct", "threading", "time", "typing",
+               "numpy", "ml_dtypes"}
     sources = sorted(Path(emu.__file__).parent.glob("*.py"))
     assert len(sources) >= 8
     for source in sources:

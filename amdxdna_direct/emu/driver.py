@@ -12,10 +12,12 @@ wakes waiters (fences, in-flight slots). Nothing blocks while holding the lock e
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from . import layouts as L
 from . import usermem
-from .firmware import Firmware
+from .firmware import Firmware, in_firmware_thread
 from .memory import (
     AIE2_DEVM_BASE,
     AMDXDNA_BO_CMD,
@@ -270,6 +272,7 @@ class HwCtx:
     stats: collections.Counter = field(default_factory=collections.Counter)
     next_seq: int = 0
     fences: dict[int, Fence] = field(default_factory=dict)   # seq -> fence of the jobs in flight
+    jobs: dict[int, Job] = field(default_factory=dict)       # seq -> the jobs in flight (their BO references)
     destroyed: bool = False
 
     @property
@@ -313,6 +316,7 @@ class Job:
                 self.ctx.stats["errors"] += 1
             self.fence.signalled = True
             del self.ctx.fences[self.seq]
+            del self.ctx.jobs[self.seq]
             for bo in (self.cmd_bo, *self.arg_bos):
                 dev.unref_bo(bo)
             dev.cond.notify_all()
@@ -381,10 +385,17 @@ class Faults:
         self._device.firmware.error(stream, count)
 
     def lose_device(self) -> None:
-        """Every later ioctl and mmap answers ENODEV (the device was unplugged, rule D5)."""
+        """Every later ioctl and mmap answers ENODEV (the device was unplugged, rule D5).
+
+        Calls blocked in the driver (syncobj waits, WAIT_CMD, a fifth EXEC_CMD) wake at once with ENODEV;
+        the firmware stops: queued jobs end ABORT, a running one ABORT when its model returns (or at the TDR).
+        """
         dev = self._device
         with dev.lock:
             dev.lost = True
+            # Under the lock (the order EXEC_CMD's submit takes too): no waiter sees `lost` before every lane has
+            # stopped taking jobs, so a munmap it ends cannot pull a buffer from under a queued job.
+            dev.firmware.abort_all()
             dev.cond.notify_all()
         log.warning("%s: device lost (fault injected)", dev.profile.name)
 
@@ -521,14 +532,19 @@ class EmuDevice:
             TypeError: unknown option.
             ValueError: dev_heap_max_size is not a positive multiple of 64 MiB, or tdr_timeout is not > 0.
         """
+        if not isinstance(profile, Profile) and profile not in PROFILES:
+            raise KeyError(f"unknown emulator profile {profile!r} (profiles: {', '.join(PROFILES)})")
         base = profile if isinstance(profile, Profile) else PROFILES[profile]
         self.profile = dataclasses.replace(base, **options) if options else base
         max_size = self.profile.dev_heap_max_size
-        if max_size <= 0 or max_size % DEV_HEAP_CHUNK:
-            raise ValueError(f"dev_heap_max_size must be a positive multiple of 64 MiB, got {max_size:#x}")
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0 or max_size % DEV_HEAP_CHUNK:
+            raise ValueError(f"dev_heap_max_size must be a positive multiple of 64 MiB, got {max_size!r}")
         self.cap_sys_admin = os.geteuid() == 0 if cap_sys_admin is None else cap_sys_admin
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
+        # The process's mmap_lock as far as the seam's mmap/munmap go: a munmap waiting for a job's fence keeps
+        # mmap/munmap of other threads (and the fd release's unmapping) out of its range until it is done.
+        self.mm_lock = threading.RLock()
         self.clients: list[Client] = []
         self.lost = False
         self.live_bos = 0
@@ -603,6 +619,32 @@ class EmuDevice:
         """The firmware context limit (the profile's, or lower by fault injection)."""
         cap = self.faults.context_cap
         return self.profile.hwctx_limit if cap is None else min(cap, self.profile.hwctx_limit)
+
+    # --- user mappings (spec 7, lifetime) ---
+
+    def may_block(self) -> bool:
+        """Whether the calling thread may wait for jobs: not a firmware thread, not inside the driver's lock
+        (a finalizer's munmap run by the garbage collector there would wait for what its thread holds up)."""
+        return not in_firmware_thread() and not self.lock._is_owned()
+
+    def mm_locked(self):
+        """The mm lock (mmap, munmap, the fd release's unmapping), or no lock where waiting is not allowed."""
+        return self.mm_lock if self.may_block() else contextlib.nullcontext()
+
+    def wait_for_mapped_jobs(self, client: Client, addr: int, length: int) -> bool:
+        """Wait (lock released) for the in-flight jobs taking as an argument a BO that `client` maps in
+        [addr, addr+length), as the MMU notifier waits on the BO's fences (spec 7). A lost or closing device
+        ends the wait: its jobs end without resolving addresses. Returns whether it waited."""
+        with self.lock:
+            mapped = {id(bo) for start, (size, bo, _) in client.memory.mappings.items()
+                      if start < addr + length and addr < start + size}
+            fences = [job.fence for ctx in self.contexts for job in ctx.jobs.values()
+                      if any(id(bo) in mapped for bo in job.arg_bos)]
+            waited = False
+            while not all(fence.signalled for fence in fences) and not (self.lost or self.closing):
+                self.cond.wait(WAIT_SLICE_S)
+                waited = True
+            return waited
 
     # --- BO references ---
 
@@ -1208,7 +1250,9 @@ class EmuDevice:
         ctx.fences[seq] = fence
         ctx.stats["submissions"] += 1
         # The job owns the references EXEC_CMD took until Job.complete drops them (spec 4.7 step 4, rule D7).
-        self.firmware.submit(Job(self, ctx, seq, cmd_bo, arg_bos, fence))
+        job = Job(self, ctx, seq, cmd_bo, arg_bos, fence)
+        ctx.jobs[seq] = job
+        self.firmware.submit(job)
         return seq
 
     def _ioctl_wait_cmd(self, client: Client, a: dict) -> None:
@@ -1230,11 +1274,13 @@ class EmuDevice:
         """Wait on the device condition (lock held) until `predicate()` or `deadline` (time.monotonic).
 
         Raises:
-            OSError: ENODEV when EmuDevice.close starts meanwhile (the wait would outlive the device).
+            OSError: ENODEV when EmuDevice.close starts or the device is lost meanwhile (rule D5).
         """
         while not predicate():
             if self.closing:
                 raise fail(errno.ENODEV, op, "the emulated device was closed while waiting")
+            if self.lost:
+                raise fail(errno.ENODEV, op, "device lost while waiting (drm_dev_is_unplugged)")
             remaining = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -1553,10 +1599,16 @@ class EmuDevice:
             contexts = list(client.contexts.values())
         for ctx in contexts:
             self.destroy_context(ctx)
-        with self.lock:
+        with self.mm_locked(), self.lock:
             client.syncobjs.clear()
             for start, (size, _, _) in list(client.memory.mappings.items()):
-                usermem.munmap(start, size)
+                # The pages go, the addresses stay the user's (an inaccessible reservation): a munmap the user
+                # still owes, or a stray access, must not land in memory mmap has handed to someone else since.
+                try:
+                    flags = usermem.MAP_PRIVATE | usermem.MAP_ANONYMOUS | usermem.MAP_FIXED | _MAP_NORESERVE
+                    usermem.mmap(start, size, usermem.PROT_NONE, flags, -1, 0)
+                except OSError:     # no room for the reservation (map count): unmap rather than keep the pages
+                    usermem.munmap(start, size)
                 for _, _, bo in client.memory.remove_range(start, size):
                     self.unref_bo(bo)
             for bo in client.bos.values():
@@ -1658,43 +1710,63 @@ class EmuSeam:
         `private=True` models a MAP_PRIVATE request, which shmem GEM objects refuse (rule B2).
 
         Raises:
+            TypeError: `length`, `offset` or `addr` is not an int.
             OSError: ENODEV (device lost), EBADF (fd closed), EINVAL (no BO at `offset` on this fd,
                 `length` 0 or larger than the BO, private mapping), or mmap's own errno.
         """
-        dev, client = self.device, self.client
+        length, offset, addr = _ints("mmap", length=length, offset=offset, addr=addr)
+        dev = self.device
         op = f"mmap(length={length:#x}, offset={offset:#x})"
-        with dev.lock:
-            if dev.lost:
-                raise fail(errno.ENODEV, op, "device lost")
-            if client.closed:
-                raise fail(errno.EBADF, op, "fd closed")
-            bo = next((b for b in client.bos.values() if b.map_offset == offset and b.memfd >= 0), None)
-            if bo is None:
-                raise fail(errno.EINVAL, op, "no BO of this fd has that map_offset")
-            if private:
-                raise fail(errno.EINVAL, op, "shmem GEM objects need MAP_SHARED")
-            if not 0 < length <= bo.size:
-                raise fail(errno.EINVAL, op, f"length must be 1..{bo.size:#x} (BO size)")
-            flags = usermem.MAP_SHARED | (usermem.MAP_FIXED if addr else 0)
-            mapped = usermem.mmap(addr, length, usermem.PROT_READ | usermem.PROT_WRITE, flags, bo.memfd,
-                                  bo.file_offset)
-            bo.refs += 1        # a mapping keeps the GEM object alive (spec 7, lifetime)
-            # The new mapping replaces whatever was mapped in its range (MAP_FIXED unmaps it first): the
-            # device must no longer resolve those addresses to the old BO, whose mapping reference goes.
-            for _, _, old in client.memory.remove_range(mapped, page_align(length)):
-                dev.unref_bo(old)
-            client.memory.add_mapping(mapped, page_align(length), bo)
-            if bo.vaddr == AMDXDNA_INVALID_ADDR:
-                bo.vaddr = mapped
-            return mapped
+        blocking = dev.may_block()
+        with dev.mm_locked(), dev.lock:
+            bo = self._mappable(op, length, offset, private)
+            # MAP_FIXED unmaps what it replaces first, with munmap's wait for the jobs using it; the wait
+            # released the lock, so the BO is looked up again.
+            fixed = addr and not addr % PAGE_SIZE and blocking
+            if fixed and dev.wait_for_mapped_jobs(self.client, addr, page_align(length)):
+                bo = self._mappable(op, length, offset, private)
+            return self._map(bo, length, addr)
+
+    def _mappable(self, op: str, length: int, offset: int, private: bool) -> Bo:
+        dev, client = self.device, self.client
+        if dev.lost:
+            raise fail(errno.ENODEV, op, "device lost")
+        if client.closed:
+            raise fail(errno.EBADF, op, "fd closed")
+        bo = next((b for b in client.bos.values() if b.map_offset == offset and b.memfd >= 0), None)
+        if bo is None:
+            raise fail(errno.EINVAL, op, "no BO of this fd has that map_offset")
+        if private:
+            raise fail(errno.EINVAL, op, "shmem GEM objects need MAP_SHARED")
+        if not 0 < length <= bo.size:
+            raise fail(errno.EINVAL, op, f"length must be 1..{bo.size:#x} (BO size)")
+        return bo
+
+    def _map(self, bo: Bo, length: int, addr: int) -> int:
+        """mmap `bo` (lock held) and record the mapping, which holds a BO reference."""
+        dev, client = self.device, self.client
+        flags = usermem.MAP_SHARED | (usermem.MAP_FIXED if addr else 0)
+        mapped = usermem.mmap(addr, length, usermem.PROT_READ | usermem.PROT_WRITE, flags, bo.memfd,
+                              bo.file_offset)
+        bo.refs += 1        # a mapping keeps the GEM object alive (spec 7, lifetime)
+        # The new mapping replaces whatever was mapped in its range (MAP_FIXED unmaps it first): the
+        # device must no longer resolve those addresses to the old BO, whose mapping reference goes.
+        for _, _, old in client.memory.remove_range(mapped, page_align(length)):
+            dev.unref_bo(old)
+        client.memory.add_mapping(mapped, page_align(length), bo)
+        if bo.vaddr == AMDXDNA_INVALID_ADDR:
+            bo.vaddr = mapped
+        return mapped
 
     def reserve(self, length: int, alignment: int) -> int:
         """An anonymous PROT_NONE reservation of `length` bytes aligned to `alignment`.
 
         Raises:
+            TypeError: `length` or `alignment` is not an int.
             ValueError: `alignment` is not a power of two multiple of the page size, or `length` <= 0.
             OSError: mmap's errno.
         """
+        length, alignment = _ints("reserve", length=length, alignment=alignment)
         if alignment < PAGE_SIZE or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= {PAGE_SIZE}, got {alignment:#x}")
         if length <= 0:
@@ -1713,15 +1785,30 @@ class EmuSeam:
     def munmap(self, addr: int, length: int) -> None:
         """Unmap [addr, addr+length) (a BO mapping or a reservation).
 
+        Unmapping any part of a mapping of a BO that in-flight jobs take as an argument first waits for those
+        jobs to end, as the driver's MMU notifier waits on the BO's fences (spec 7, lifetime): the device
+        resolves SHMEM addresses through the mapping (SVA). The wait holds no device lock; the TDR bounds it,
+        and EmuDevice.close or a lost device ends it (their jobs end without resolving addresses).
+
         Raises:
-            OSError: munmap's errno.
+            TypeError: `addr` or `length` is not an int.
+            OSError: munmap's errno (EINVAL for an unaligned address or an empty range, before any wait).
         """
+        addr, length = _ints("munmap", addr=addr, length=length)
         dev = self.device
-        # Unmap and forget under one lock, as mmap maps and records: else another thread's mmap can be given
-        # the freed addresses in between, and this call would then forget that new mapping.
-        with dev.lock:
+        length_pages = page_align(length)
+        if addr % PAGE_SIZE or length_pages <= 0:
+            # do_munmap's own checks come first: a bad call must not wait for the device.
+            raise OSError(errno.EINVAL, f"munmap({addr:#x}, {length:#x}): EINVAL (address not page aligned "
+                                        f"or empty range)")
+        blocking = dev.may_block()          # asked before taking the lock, which it checks for
+        with dev.mm_locked(), dev.lock:
+            if blocking:
+                dev.wait_for_mapped_jobs(self.client, addr, length_pages)
+            # Unmap and forget under one lock, as mmap maps and records: else another thread's mmap can be
+            # given the freed addresses in between, and this call would then forget that new mapping.
             usermem.munmap(addr, length)
-            for _, _, bo in self.client.memory.remove_range(addr, page_align(length)):
+            for _, _, bo in self.client.memory.remove_range(addr, length_pages):
                 dev.unref_bo(bo)
 
     def close(self) -> None:
@@ -1736,3 +1823,18 @@ class EmuSeam:
 
 
 _MAP_NORESERVE = 0x4000
+
+
+def _ints(op: str, **values) -> list[int]:
+    """The seam's address and size arguments as Python ints (numpy integers included; libc takes only ints).
+
+    Raises:
+        TypeError: one is not an integer (named, rather than failing deep in formatting or ctypes).
+    """
+    ints = []
+    for name, value in values.items():
+        try:
+            ints.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
+    return ints

@@ -62,10 +62,25 @@ CHAIN_ERROR_INDEX = 4 + 8               # byte offset of error_index in a chain 
 CTX_HEALTH_V1 = 1                       # struct amdxdna_ctx_health version
 NPU_GEN_AIE2 = 0                        # AMDXDNA_CMD_CTX_HEALTH_AIE2
 CTX_HEALTH_BYTES = 32                   # version, npu_gen + six u32 of aie2_ctx_health
+WATCH_SLICE_S = 60.0                    # longest single wait of the TDR watch (it loops until its deadline)
 DESTROY_GRACE_S = 2.0                   # DESTROY_HWCTX waits this long for the last job (spec 4.2)
 # A running model must burn at least this share of the TDR period in CPU to count as progress.
 PROGRESS_SHARE = 0.05
 PROGRAM_CACHE = 1024                    # walked streams kept by digest
+
+# Marks the firmware's own threads (workers, engines, async aborts): the driver never lets them block on a
+# job's fence (a finalizer's munmap run by the garbage collector on one of them would wait for itself).
+_thread_role = threading.local()
+
+
+def in_firmware_thread() -> bool:
+    """Whether the calling thread is one of the firmware's (a worker, an engine or an async abort)."""
+    return getattr(_thread_role, "firmware", False)
+
+
+def _firmware_thread(target, *args) -> None:
+    _thread_role.firmware = True
+    target(*args)
 
 
 class MalformedCommand(Exception):
@@ -181,7 +196,7 @@ class _Engine:
     def __init__(self, name: str, cond: threading.Condition):
         self._cond = cond
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread = threading.Thread(target=_firmware_thread, args=(self._loop,), name=name, daemon=True)
         self.thread.start()
         self._clock = time.pthread_getcpuclockid(self.thread.ident)
 
@@ -214,6 +229,7 @@ class _Lane:
     cond: threading.Condition = field(default_factory=threading.Condition)
     jobs: deque = field(default_factory=deque)
     running: object = None
+    task: _Task | None = None           # the model run of `running`, while the engine has it
     closing: bool = False
     engine: _Engine | None = None
     worker: threading.Thread | None = None
@@ -229,8 +245,11 @@ class Firmware:
         """Firmware of `device` (an EmuDevice) with a TDR of `tdr_timeout` seconds; lanes start on demand.
 
         Raises:
+            TypeError: the TDR timeout is not a number.
             ValueError: a non-positive TDR timeout or a profile whose TXN generation is not positive.
         """
+        if isinstance(tdr_timeout, bool) or not isinstance(tdr_timeout, (int, float)):
+            raise TypeError(f"tdr_timeout must be a number of seconds, got {type(tdr_timeout).__name__}")
         if not tdr_timeout > 0:
             raise ValueError(f"tdr_timeout must be > 0 seconds, got {tdr_timeout!r}")
         self.device = device
@@ -312,11 +331,32 @@ class Firmware:
         for lane in lanes:
             self._close_lane(lane, 0.0)
 
+    def abort_all(self) -> None:
+        """The device is gone (Faults.lose_device): every lane stops at once, without waiting.
+
+        Queued jobs end ABORT, a running model is abandoned (ABORT when it returns, or at the TDR if it makes
+        no progress: a Python thread cannot be interrupted), later submissions end ABORT. The lanes stay
+        known, so destroy_context and stop still join their threads.
+        """
+        with self._lock:
+            lanes = list(self._lanes.values())
+        queued = []
+        for lane in lanes:              # every lane stops taking jobs before any job ends
+            with lane.cond:
+                lane.closing = True
+                if lane.task is not None:
+                    lane.task.abandon()         # whatever it does now, the job ends ABORT
+                queued += lane.jobs
+                lane.jobs.clear()
+                lane.cond.notify_all()
+        for job in queued:
+            self._end(job, _Outcome(ERT_CMD_STATE_ABORT))
+
     def _start_lane(self, ctx) -> _Lane:
         lane = _Lane(ctx)
         name = f"emu-ctx{ctx.handle}"
         lane.engine = _Engine(f"{name}-engine", lane.cond)
-        lane.worker = threading.Thread(target=self._work_loop, args=(lane,), name=name, daemon=True)
+        lane.worker = threading.Thread(target=_firmware_thread, args=(self._work_loop, lane), name=name, daemon=True)
         self._lanes[id(ctx)] = lane
         lane.worker.start()
         return lane
@@ -333,7 +373,8 @@ class Firmware:
 
     def _end_async(self, job) -> None:
         # A job for a context already torn down: ABORT, off the submitting thread (it may hold driver locks).
-        threading.Thread(target=self._end, args=(job, _Outcome(ERT_CMD_STATE_ABORT)), daemon=True).start()
+        threading.Thread(target=_firmware_thread, args=(self._end, job, _Outcome(ERT_CMD_STATE_ABORT)),
+                         daemon=True).start()
 
     # -- the worker ------------------------------------------------------------------------------
 
@@ -544,14 +585,24 @@ class Firmware:
     def _await(self, lane: _Lane, task: _Task) -> str:
         """Run a task on the lane's engine -> "done", "hung" (TDR) or "closed" (context torn down)."""
         engine = lane.engine
+        with lane.cond:
+            lane.task = task
         engine.run(task)
+        try:
+            return self._watch(lane, engine, task)
+        finally:
+            with lane.cond:
+                lane.task = None
+
+    def _watch(self, lane: _Lane, engine: _Engine, task: _Task) -> str:
         with lane.cond:
             last, deadline = engine.cpu_time(), time.monotonic() + self.tdr_timeout
             while not task.done:
                 if lane.closing and not task.abandoned:
                     task.abandon()
                 if (left := deadline - time.monotonic()) > 0:
-                    lane.cond.wait(left)
+                    # Sliced: a huge (or infinite: never time out) TDR exceeds threading.TIMEOUT_MAX.
+                    lane.cond.wait(min(left, WATCH_SLICE_S))
                     continue
                 now = engine.cpu_time()
                 if now - last < self.tdr_timeout * PROGRESS_SHARE:
