@@ -231,7 +231,6 @@ class DeviceFile:
         self._pins = 0
         self._finish_pending = False
         self._closing: tuple[int, threading.Event] | None = None    # (closing thread, done)
-        self._close_started = False
 
     def ioctl(self, request: int, cdata, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
         """Issue ``request`` on the cffi struct ``cdata`` (passed as ``ffi.buffer``).
@@ -294,14 +293,13 @@ class DeviceFile:
             XdnaError: the first release that failed (the rest still ran).
         """
         with self.lock:
-            closing = self._closing
-            if closing is None:
+            earlier = self._closing
+            if earlier is None:
                 self._closing = closing = (threading.get_ident(), threading.Event())
-        if closing[0] != threading.get_ident() or self._close_started:
-            if closing[0] != threading.get_ident():
-                closing[1].wait()
+        if earlier is not None:     # closed or closing already: by this thread (re-entered), or wait for the other
+            if earlier[0] != threading.get_ident():
+                earlier[1].wait()
             return
-        self._close_started = True
         first: BaseException | None = None
         try:
             while True:
@@ -549,7 +547,7 @@ class Device:
         req = ffi.new("struct amdxdna_drm_get_info *")
         req.param = param
         req.buffer_size = ffi.sizeof(out)
-        req.buffer = int(ffi.cast("uintptr_t", out))
+        req.buffer = abi.address_of(out)
         short = param_name.removeprefix("DRM_AMDXDNA_")
         try:
             self.file.ioctl(abi.DRM_IOCTL_AMDXDNA_GET_INFO, req, {"param": short, "buffer_size": req.buffer_size})
@@ -940,7 +938,7 @@ def _discover() -> Device:
     where it is not (containers often lack ``/sys/class/accel``), DRM_IOCTL_VERSION decides."""
     others = []
     for node in sorted(glob.glob("/dev/accel/accel*"), key=_node_number):
-        link = os.path.join("/sys/class/accel", os.path.basename(node), "device", "driver")
+        link = os.path.join(SYSFS_ACCEL, os.path.basename(node), "device", "driver")
         if os.path.lexists(link) and os.path.basename(os.path.realpath(link)) != "amdxdna":
             others.append(f"{node} ({os.path.basename(os.path.realpath(link))})")
             continue

@@ -47,7 +47,7 @@ PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 HEAP_SIZE = 64 << 20
 MEMLOCK_NEEDED = HEAP_SIZE + (64 << 20)
 
-# PCI (device id, revision) -> generation: amdxdna_pci_drv.c table, xrt-npu-sequence.md 1.1.
+# The PCI vendor id of AMD's NPUs (xrt-npu-sequence.md 1.1; generations by device id: device.PCI_GENERATIONS).
 AMD_VENDOR_ID = 0x1022
 # Attributes of the PCI device directory behind /sys/class/accel/accelN (spec 8, xrt-npu-sequence 1.1).
 SYSFS_ATTRIBUTES = ("vendor", "device", "subsystem_vendor", "subsystem_device", "revision", "vbnv",
@@ -672,7 +672,6 @@ def _device_checks(target: Any, host: Host, xclbin: Any, insts: Any) -> list[Che
         if results[-1].status == FAIL:
             return [*results, CheckResult("self-test", SKIP, "not run: no hardware context is available")]
         return [*results, check_self_test(dev, xclbin, insts)]
-
 
 
 def _skipped(names: Iterable[str], why: str) -> list[CheckResult]:

@@ -202,7 +202,7 @@ class HwContext:
     def _configure(self, chosen: Sequence[tuple[Any, bytes]]) -> None:
         for index, (kernel, pdi) in enumerate(chosen):
             bo = self.device.bo(len(pdi), "dev")
-            self.cus.append(ComputeUnit(index, kernel, bo, int(getattr(kernel, "functional", 0) or 0)))
+            self.cus.append(ComputeUnit(index, kernel, bo, kernel.functional or 0))
             bo.write(pdi)
             bo.sync()
         ffi = abi.ffi
@@ -217,7 +217,7 @@ class HwContext:
         req = ffi.new("struct amdxdna_drm_config_hwctx *")
         req.handle = self.handle
         req.param_type = abi.DRM_AMDXDNA_HWCTX_CONFIG_CU
-        req.param_val = int(ffi.cast("uintptr_t", raw))
+        req.param_val = abi.address_of(raw)
         req.param_val_size = len(raw)
         self.device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CONFIG_HWCTX, req,
                                {"handle": self.handle, "param_type": "CONFIG_CU", "num_cus": n})

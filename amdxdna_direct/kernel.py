@@ -81,9 +81,8 @@ class Kernel:
         self.ctx = ctx
         self.cu_index = cu.index
         self.name = cu.kernel.name
-        # XRT sorts args by id and merges duplicates (spec 3.7).
-        self.args = tuple({a.index: a for a in sorted(cu.kernel.args, key=lambda a: a.index)}.values())
-        self.regmap_size = max((a.offset + a.size for a in self.args), default=0)
+        self.args = cu.kernel.args      # sorted by id, duplicates merged, as XRT does (xclbin parse, spec 3.7)
+        self.regmap_size = cu.kernel.regmap_size
 
     def __repr__(self) -> str:
         return f"<Kernel {self.name} cu={self.cu_index} args={[a.name for a in self.args]}>"
@@ -344,8 +343,8 @@ class _Waiter:
             self.handles = ffi.new("uint32_t[1]", [ctx.syncobj])
             self.points = ffi.new("uint64_t[1]")
             self.req = ffi.new("struct drm_syncobj_timeline_wait *")
-            self.req.handles = int(ffi.cast("uintptr_t", self.handles))
-            self.req.points = int(ffi.cast("uintptr_t", self.points))
+            self.req.handles = abi.address_of(self.handles)
+            self.req.points = abi.address_of(self.points)
             self.req.count_handles = 1
             self.req.flags = abi.DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT
         else:
@@ -369,7 +368,6 @@ class _Waiter:
                                   {"handle": ctx.syncobj, "point": seq,
                                    "timeout": "forever" if timeout is None else timeout})
             else:
-                # WAIT_CMD counts milliseconds and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
                 self.req.seq = seq
                 self.req.timeout = _wait_cmd_ms(timeout)
                 file.ioctl_buffer(abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, self.buf,
@@ -396,7 +394,7 @@ class _Exec:
         self.req.hwctx = ctx.handle
         self.req.type = abi.AMDXDNA_CMD_SUBMIT_EXEC_BUF
         self.req.cmd_handles = cmd_handle  # the handle itself, not a pointer, when cmd_count == 1
-        self.req.args = int(ffi.cast("uintptr_t", self.args)) if handles else 0
+        self.req.args = abi.address_of(self.args) if handles else 0
         self.req.cmd_count = 1
         self.req.arg_count = len(handles)
         self.buf = ffi.buffer(self.req)

@@ -16,9 +16,6 @@ from . import abi
 
 __all__ = ["Seam", "OsSeam"]
 
-_MAP_FAILED = (1 << 64) - 1  # (void *)-1
-
-
 @runtime_checkable
 class Seam(Protocol):
     """What the runtime needs from a device file: ioctl, shared mappings, VA reservations, close."""
@@ -133,8 +130,7 @@ class OsSeam:
     @staticmethod
     def _mmap(addr: int, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
         ptr = abi.libc.mmap(abi.ffi.cast("void *", addr), length, prot, flags, fd, offset)
-        value = int(abi.ffi.cast("uintptr_t", ptr))
-        if value == _MAP_FAILED:
+        if ptr == abi.MAP_FAILED:
             err = abi.ffi.errno
             raise OSError(err, f"mmap(addr={addr:#x}, length={length:#x}, offset={offset:#x}): {os.strerror(err)}")
-        return value
+        return abi.address_of(ptr)

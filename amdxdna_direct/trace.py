@@ -89,9 +89,10 @@ class Tracer:
         try:
             result = issue(request, buf)
         except OSError as exc:
-            self._record(name, time.perf_counter() - start, failed=True)
+            elapsed = time.perf_counter() - start
+            self._record(name, elapsed, failed=True)
             log.info("%s %s -> %s %s", seam_name, format_call(name, before),
-                     errno_text(exc.errno) if exc.errno else exc, _duration(time.perf_counter() - start))
+                     errno_text(exc.errno) if exc.errno else exc, _duration(elapsed))
             raise
         elapsed = time.perf_counter() - start
         self._record(name, elapsed, failed=False)

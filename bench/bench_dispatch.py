@@ -33,9 +33,8 @@ from amdxdna_direct.device import TXN_DEV_GEN
 from amdxdna_direct.insts import dma_stream, encode
 from amdxdna_direct.kernel import Run
 from sam3.npu import push
+from sam3.pack import BF16_BYTES as BF16
 from sam3.pack import to_bf16
-
-BF16 = 2
 
 
 def _gemm_kernel(dev, m: int, k: int, n: int):
@@ -95,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         c = dev.bo(args.chunks * m * n * BF16)
         push(to_bf16(np.random.default_rng(1).standard_normal(args.chunks * m * k, dtype=np.float32)), a)
         push(to_bf16(np.random.default_rng(2).standard_normal(k * n, dtype=np.float32)), w)
-        runs = [kern.prepare_npu(stream, [a.sub(i * m * k * BF16, m * k * BF16), w,
-                                          c.sub(i * m * n * BF16, m * n * BF16)]) for i in range(args.chunks)]
+        # The operands of each chunk, shared by every way of dispatching it.
+        chunks = [[a.sub(i * m * k * BF16, m * k * BF16), w, c.sub(i * m * n * BF16, m * n * BF16)]
+                  for i in range(args.chunks)]
+        runs = [kern.prepare_npu(stream, bufs) for bufs in chunks]
         chain = RunList(ctx, runs)
 
         def one_by_one() -> None:
@@ -107,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             chain.start().wait()
 
         def fresh_packets() -> None:
-            for i in range(args.chunks):
-                run: Run = kern.prepare_npu(stream, [a.sub(i * m * k * BF16, m * k * BF16), w,
-                                                     c.sub(i * m * n * BF16, m * n * BF16)])
+            for bufs in chunks:
+                run: Run = kern.prepare_npu(stream, bufs)
                 run.start().wait()
                 run.close()
 

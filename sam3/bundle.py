@@ -273,9 +273,10 @@ class Bundle:
             _inside(self.root, f"weights/{path.name}", key, "weights")
             if key not in self.gemms:
                 raise BundleError(f"weights/{path.name}: no GEMM {key!r} in the manifest", key, "weights")
-            if path.stat().st_size != self.gemms[key].b_bytes:
-                raise BundleError(f"{key}.b_bytes: weights/{path.name} has {path.stat().st_size} bytes, "
-                                  f"b_bytes is {self.gemms[key].b_bytes}", key, "b_bytes")
+            size, b_bytes = path.stat().st_size, self.gemms[key].b_bytes
+            if size != b_bytes:
+                raise BundleError(f"{key}.b_bytes: weights/{path.name} has {size} bytes, b_bytes is {b_bytes}",
+                                  key, "b_bytes")
 
 
 def _check_mlir_aie_args(kernel: Any, buffers: int) -> None:

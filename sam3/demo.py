@@ -298,8 +298,9 @@ def run_demo(preset: str = "tiny", device: Any = None, bundle: str | os.PathLike
             raise NpuError(f"{dev.name} is a real NPU: pass --bundle DIR with compiled kernels (a built bundle "
                            f"carries placeholder PDIs that only the emulator runs)")
         if bundle is None:
-            say(f"the {preset} bundle for {device_generation(dev)} (built on first use, then cached)")
-            root = build_cached(_cache_dir(), preset, device_generation(dev), seed)
+            target = device_generation(dev)
+            say(f"the {preset} bundle for {target} (built on first use, then cached)")
+            root = build_cached(_cache_dir(), preset, target, seed)
             say(f"bundle: {root}")
         else:
             root = Path(bundle)

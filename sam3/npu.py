@@ -678,12 +678,12 @@ class Npu:
 
     def _unit(self, key: str, cache: _UnitCache, ident: Any, pins: tuple[Bo, ...],
               make: Callable[[Any, bytes], list[Any]]) -> _Unit:
-        """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident
-        and its pinned buffers are the same objects, else built (one Run, or a RunList for several)."""
+        """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident,
+        else built (one Run, or a RunList for several). `ident` names the `pins` by id: an entry keeps its
+        pinned buffers alive, so no other buffer can take their ids while it is cached."""
         kernel, src = self._kernel(key)
         entry = cache.pop(ident, None)
-        if entry is not None and entry[1].ctx is kernel.ctx and all(x is y for x, y in zip(entry[0], pins,
-                                                                                           strict=True)):
+        if entry is not None and entry[1].ctx is kernel.ctx:
             cache[ident] = entry  # most recently used last
             return entry[1]
         try:

@@ -7,8 +7,8 @@ structs as a user pointer. Nothing here goes through `amdxdna_direct.abi`: the t
 emulator against the ABI facts, not against the binding.
 
 Also shared by the emulator tests: `call` and `errno_of` check every driver error's message (it names the
-ioctl and the errno), `emu_device` closes a device and checks nothing it handed out is left, and `Gate`
-is a model that holds a job open.
+ioctl and the errno), `emu_device` closes a device and checks nothing it handed out is left, `Gate`
+is a model that holds a job open, and the builders of TXN streams, regmaps and ERT packets.
 """
 
 from __future__ import annotations
@@ -315,6 +315,11 @@ class Raw:
     def gem_close(self, handle: int) -> None:
         call(self.seam, "GEM_CLOSE", handle, 0)
 
+    def timeline_signal(self, syncobj: int, point: int) -> None:
+        """SYNCOBJ_TIMELINE_SIGNAL of one point."""
+        handles, points = UserMem(struct.pack("<I", syncobj)), UserMem(struct.pack("<Q", point))
+        call(self.seam, "SYNCOBJ_TIMELINE_SIGNAL", handles.addr, points.addr, 1, 0)
+
     def get_info(self, param: int, size: int, prefill: bytes = b"") -> tuple[bytes, int]:
         """GET_INFO into a `size`-byte buffer (optionally pre-filled); returns (buffer bytes, buffer_size out)."""
         mem = UserMem(size)
@@ -328,7 +333,46 @@ def ert_header(opcode: int, count: int, extra_cu_masks: int = 0, state: int = ER
     return state | (extra_cu_masks << 10) | (count << 12) | (opcode << 23)
 
 
-def start_cu_packet(regmap_words: list[int], cu_mask: int = 1) -> bytes:
-    """ERT_START_CU packet: header, one CU mask, then the regmap words."""
-    words = [cu_mask, *regmap_words]
-    return struct.pack(f"<{len(words) + 1}I", ert_header(ERT_START_CU, len(words)), *words)
+def packet(opcode: int, words: list[int], masks: tuple[int, ...] = (1,), count: int | None = None,
+           type_bits: int = 0) -> bytes:
+    """A kernel-start ERT packet: header (count defaults to masks + words), the CU masks, then `words`."""
+    body = [*masks, *words]
+    head = ert_header(opcode, len(body) if count is None else count, extra_cu_masks=max(0, len(masks) - 1))
+    return struct.pack(f"<{len(body) + 1}I", head | type_bits << 28, *body)
+
+
+def chain_packet(handles: list[int], opcode: int = ERT_CMD_CHAIN) -> bytes:
+    """An ERT_CMD_CHAIN packet: command_count, submit/error index, reserved, then one u64 handle per sub-command."""
+    words = [len(handles), 0, 0, 0, 0, 0]
+    for handle in handles:
+        words += [handle & 0xFFFFFFFF, handle >> 32]
+    return struct.pack(f"<{len(words) + 1}I", ert_header(opcode, len(words)), *words)
+
+
+def regmap(instr: int, ninstr: int, slots: list[int], nslots: int = 0) -> list[int]:
+    """The mlir-aie regmap (xrt-npu-sequence.md 1.7): u64 opcode 3 @0, u64 instr @8, u32 ninstr @0x10, then u64
+    buffer slots @0x14 + 8k, zero-padded to `nslots`."""
+    words = [3, 0, instr & 0xFFFFFFFF, instr >> 32, ninstr]
+    for addr in slots + [0] * (nslots - len(slots)):
+        words += [addr & 0xFFFFFFFF, (addr >> 32) & 0xFFFFFFFF]
+    return words
+
+
+def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_plus: int = 0) -> bytes:
+    """A TXN stream (xrt-npu-sequence.md 2.3): per (arg_idx, nbytes) a shim BD, its DDR_PATCH from arg_idx and
+    a queue push; then a sync."""
+    ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24]]
+    for bd, (arg_idx, nbytes) in enumerate(buffers):
+        base = 0x1D000 + 0x20 * bd
+        ops.append([0x01, 0, base, 48, nbytes // 4, 0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000])
+        ops.append([0x81, 48, 0, 0, 0, 0, base + 4, 0, arg_idx, 0, arg_plus, 0])
+        ops.append([0x00, 0, 0x1D214, 0, 0x80000000 | bd, 24])
+    ops.append([0x80, 16, 0, 0x00010100])
+    body = [w for op in ops for w in op]
+    words = [0x06000100 | (dev_gen << 16), 0x101, len(ops), 4 * (4 + len(body)), *body]
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+def state_of(addr: int) -> int:
+    """The state nibble of the ERT header at a process address (a mapped command BO)."""
+    return struct.unpack("<I", read_addr(addr, 4))[0] & 0xF

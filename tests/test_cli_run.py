@@ -193,6 +193,8 @@ def test_parse_buffer_and_model():
     assert run_cmd.parse_buffer("a=b.npy", "in") == BufferSpec(Path("a=b.npy"), None, "in")
     with pytest.raises(UsageError, match="non-negative"):
         run_cmd.parse_buffer("-1=x.npy", "in")
+    with pytest.raises(UsageError, match="non-negative"):  # a digit to str.isdigit, not to int()
+        run_cmd.parse_buffer("\u00b2=x.npy", "in")
     gemm = run_cmd.parse_model("gemm:2,3,4")
     assert (gemm.m, gemm.k, gemm.n, gemm.lda) == (2, 3, 4, 3)
     assert run_cmd.parse_model("passthrough").name == "passthrough"

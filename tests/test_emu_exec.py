@@ -36,9 +36,14 @@ from emu_raw import (
     Raw,
     UserMem,
     call,
+    chain_packet,
     check_released,
     ert_header,
+    packet,
     read_addr,
+    regmap,
+    state_of,
+    txn_stream,
     write_addr,
 )
 from fixture_files import SHARED
@@ -59,25 +64,6 @@ def fixture(path: Path) -> bytes:
     if not path.exists():
         pytest.skip(f"shared fixtures not present at {path}")
     return path.read_bytes()
-
-
-# --------------------------------------------------------------------------------------------------
-# A small TXN encoder for synthetic streams (encodings of xrt-npu-sequence.md 2.3)
-# --------------------------------------------------------------------------------------------------
-
-def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_plus: int = 0) -> bytes:
-    """A stream that configures one shim BD per (arg_idx, nbytes), patches it from arg_idx and syncs."""
-    ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24]]
-    for bd, (arg_idx, nbytes) in enumerate(buffers):
-        base = 0x1D000 + 0x20 * bd
-        ops.append([0x01, 0, base, 48, nbytes // 4, 0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000])
-        ops.append([0x81, 48, 0, 0, 0, 0, base + 4, 0, arg_idx, 0, arg_plus, 0])
-        ops.append([0x00, 0, 0x1D214, 0, 0x80000000 | bd, 24])
-    ops.append([0x80, 16, 0, 0x00010100])
-    body = [w for op in ops for w in op]
-    size = 4 * (4 + len(body))
-    words = [0x06000100 | (dev_gen << 16), 0x101, len(ops), size, *body]
-    return struct.pack(f"<{len(words)}I", *words)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,22 +291,6 @@ def test_registry_binding_rules():
 ERT_START_DPU = 18
 
 
-def regmap(instr: int, ninstr: int, slots: list[int], nslots: int = 5) -> list[int]:
-    """The mlir-aie regmap: u64 opcode 3 @0, u64 instr @8, u32 ninstr @0x10, u64 bo slots @0x14 + 8k."""
-    slots = slots + [0] * (nslots - len(slots))
-    words = [3, 0, instr & 0xFFFFFFFF, instr >> 32, ninstr]
-    for addr in slots:
-        words += [addr & 0xFFFFFFFF, addr >> 32]
-    return words
-
-
-def packet(opcode: int, words: list[int], masks: tuple[int, ...] = (1,), count: int | None = None,
-           type_bits: int = 0) -> bytes:
-    body = [*masks, *words]
-    head = ert_header(opcode, len(body) if count is None else count, extra_cu_masks=max(0, len(masks) - 1))
-    return struct.pack(f"<{len(body) + 1}I", head | type_bits << 28, *body)
-
-
 class Npu:
     """One emulated device, one fd with its heap, and helpers for the XRT-shaped sequence."""
 
@@ -368,7 +338,7 @@ class Npu:
         src = bytes((tag + i) % 251 + 1 for i in range(nbytes))
         a, a_addr = self.data(nbytes, src)
         b, b_addr = self.data(nbytes)
-        words = regmap(iaddr, len(stream) // 4, [a_addr, b_addr])
+        words = regmap(iaddr, len(stream) // 4, [a_addr, b_addr], nslots=5)
         cmd, cmd_addr = self.cmd(packet(ERT_START_CU, words))
         return dict(stream=stream, src=src, out=b_addr, cmd=cmd, cmd_addr=cmd_addr, args=[ins, a, b], words=words,
                     nbytes=nbytes)
@@ -380,10 +350,6 @@ class Npu:
         self.seam.close()
         check_released(self.dev)
         self.dev.close()
-
-
-def state_of(addr: int) -> int:
-    return struct.unpack("<I", read_addr(addr, 4))[0] & 0xF
 
 
 def words_at(addr: int, count: int, offset: int = 0) -> tuple[int, ...]:
@@ -444,7 +410,7 @@ def test_xrt_sequence_npu1_passthrough_fixture(npus, caplog):
     write_addr(in_addr, src)
     exec_bo, exec_addr = raw.shmem(4096, BO_CMD)
     # Header 0x30010001 as XRT writes it (state NEW, count 16, ERT_START_CU, type 3), CU mask 1, 15-word regmap.
-    words = [0x30010001, 1, *regmap(ins_info.xdna_addr, len(insts) // 4, [in_addr, 0, out_addr])]
+    words = [0x30010001, 1, *regmap(ins_info.xdna_addr, len(insts) // 4, [in_addr, 0, out_addr], nslots=5)]
     assert len(words) == 17
     write_addr(exec_addr, struct.pack("<17I", *words))
     seq = raw.exec_cmd(ctx, exec_bo, [ins_bo, bo_in, bo_out])
@@ -677,13 +643,6 @@ def test_rule_E10(npus):
     assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW
 
 
-def chain_packet(handles: list[int], opcode: int = ERT_CMD_CHAIN) -> bytes:
-    words = [len(handles), 0, 0, 0, 0, 0]
-    for handle in handles:
-        words += [handle, 0]
-    return struct.pack(f"<{len(words) + 1}I", ert_header(opcode, len(words)), *words)
-
-
 def chain_of(npu: Npu, n: int, short: bool = False, model=None,
              opcode: int = ERT_START_CU) -> tuple[list[dict], int, int, list[int]]:
     """n passthrough sub-commands (or, with `short`, 5-word regmaps whose stream patches nothing, sent as
@@ -694,7 +653,7 @@ def chain_of(npu: Npu, n: int, short: bool = False, model=None,
             stream = txn_stream(npu.gen, [], tag=i)
             npu.dev.models.bind(stream, model)
             ins, iaddr = npu.instr(stream)
-            words = regmap(iaddr, len(stream) // 4, [], nslots=0)
+            words = regmap(iaddr, len(stream) // 4, [])
             if opcode == ERT_START_NPU:
                 words = npu_words(iaddr, len(stream), [], words)
             cmd, cmd_addr = npu.cmd(packet(opcode, words))
@@ -770,8 +729,7 @@ def test_rule_E11(npus):
     write_addr(odd["cmd_addr"], packet(ERT_START_NPU, npu_words(instr, len(odd["stream"]), [], odd["words"])))
     data_bo = subs[1]["args"][1]
     for handles in ([subs[1]["cmd"], odd["cmd"]], [subs[1]["cmd"], data_bo], []):
-        write_addr(chain_addr, chain_packet(handles) if handles else
-                   struct.pack("<7I", ert_header(ERT_CMD_CHAIN, 6), 0, 0, 0, 0, 0, 0))
+        write_addr(chain_addr, chain_packet(handles))          # [] -> command_count 0
         seq = npu.raw.exec_cmd(ctx, chain, sorted({*args, odd["cmd"], *odd["args"]}))
         npu.raw.timeline_wait(syncobj, seq)
         assert state_of(chain_addr) == ERT_STATE_NEW, handles
@@ -803,7 +761,7 @@ def test_rule_E12(npus, caplog):
     npu.dev.models.bind(other_gen, Passthrough())
     wrong = npu.passthrough(tag=4)
     ins, iaddr = npu.instr(other_gen)
-    write_addr(wrong["cmd_addr"], packet(ERT_START_CU, regmap(iaddr, len(other_gen) // 4, [0x1000, 0x2000])))
+    write_addr(wrong["cmd_addr"], packet(ERT_START_CU, regmap(iaddr, len(other_gen) // 4, [0x1000, 0x2000], nslots=5)))
     expect_error(wrong, "generation 3, this device is generation 4")
     # A buffer slot that resolves to no BO is a device fault (a bad DMA).
     fault = npu.passthrough(tag=5)
@@ -818,7 +776,7 @@ def test_rule_E12(npus, caplog):
     # Instructions outside the heap window (a SHMEM BO) fail too.
     shm = npu.passthrough(tag=7)
     s_bo, s_addr = npu.data(len(shm["stream"]), shm["stream"])
-    write_addr(shm["cmd_addr"], packet(ERT_START_CU, regmap(s_addr, len(shm["stream"]) // 4, [0, 0])))
+    write_addr(shm["cmd_addr"], packet(ERT_START_CU, regmap(s_addr, len(shm["stream"]) // 4, [0, 0], nslots=5)))
     expect_error(shm, "not in the heap window")
     hung, queued = npu.passthrough(tag=9), npu.passthrough(tag=10)
     npu.dev.faults.hang(hung["stream"])
@@ -840,7 +798,7 @@ def test_ddr_patch_resolves_slot_plus_arg_plus(npus, caplog):
         stream = txn_stream(npu.gen, [(0, 64), (1, 64)], tag=tag, arg_plus=arg_plus)
         npu.dev.models.bind(stream, Passthrough())
         ins, iaddr = npu.instr(stream)
-        cmd, cmd_addr = npu.cmd(packet(ERT_START_CU, regmap(iaddr, len(stream) // 4, slots, nslots=len(slots))))
+        cmd, cmd_addr = npu.cmd(packet(ERT_START_CU, regmap(iaddr, len(stream) // 4, slots)))
         npu.raw.timeline_wait(syncobj, npu.raw.exec_cmd(ctx, cmd, [ins, bo_in, bo_out]))
         return state_of(cmd_addr)
 
@@ -990,7 +948,7 @@ def test_gemm_through_the_device(npus):
     bo_a, a_addr = npu.data(a.nbytes, a.tobytes())
     bo_b, b_addr = npu.data(b.nbytes, np.ascontiguousarray(b.T).tobytes())
     bo_c, c_addr = npu.data(m * n * 2)
-    cmd, cmd_addr = npu.cmd(packet(ERT_START_CU, regmap(iaddr, len(stream) // 4, [a_addr, b_addr, c_addr])))
+    cmd, cmd_addr = npu.cmd(packet(ERT_START_CU, regmap(iaddr, len(stream) // 4, [a_addr, b_addr, c_addr], nslots=5)))
     seq = npu.raw.exec_cmd(ctx, cmd, [ins, bo_a, bo_b, bo_c])
     npu.raw.timeline_wait(syncobj, seq)
     assert state_of(cmd_addr) == ERT_STATE_COMPLETED

@@ -25,7 +25,6 @@ from emu_raw import (
     BO_CMD,
     BO_SHMEM,
     DRM_COMMAND_BASE,
-    ERT_CMD_CHAIN,
     ERT_START_CU,
     ERT_START_NPU,
     ERT_STATE_ABORT,
@@ -42,15 +41,19 @@ from emu_raw import (
     Raw,
     UserMem,
     call,
+    chain_packet,
     check_message,
     check_released,
     emu_device,
-    ert_header,
     ioc,
     monotonic_ns,
     pack,
+    packet,
     read_addr,
+    regmap,
     request,
+    state_of,
+    txn_stream,
     write_addr,
 )
 from hypothesis import HealthCheck, given, settings
@@ -69,41 +72,6 @@ POINTER_FIELDS = {"create_hwctx": {2}, "config_hwctx": {2}, "exec_cmd": {5}, "ge
                   "syncobj_timeline_array": {0, 1}, "syncobj_array": {0}}
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0) -> bytes:
-    """A TXN stream (xrt-npu-sequence.md 2.3): per (arg_idx, bytes) a shim BD, its DDR_PATCH and a push; a sync."""
-    ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24]]
-    for bd, (arg_idx, nbytes) in enumerate(buffers):
-        base = 0x1D000 + 0x20 * bd
-        ops.append([0x01, 0, base, 48, nbytes // 4, 0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000])
-        ops.append([0x81, 48, 0, 0, 0, 0, base + 4, 0, arg_idx, 0, 0, 0])
-        ops.append([0x00, 0, 0x1D214, 0, 0x80000000 | bd, 24])
-    ops.append([0x80, 16, 0, 0x00010100])
-    body = [w for op in ops for w in op]
-    words = [0x06000100 | (dev_gen << 16), 0x101, len(ops), 4 * (4 + len(body)), *body]
-    return struct.pack(f"<{len(words)}I", *words)
-
-
-def regmap(instr: int, ninstr: int, slots: list[int]) -> list[int]:
-    """mlir-aie regmap: u64 opcode 3, u64 instr, u32 ninstr, u64 slots (xrt-npu-sequence.md 1.7)."""
-    words = [3, 0, instr & 0xFFFFFFFF, instr >> 32, ninstr]
-    for addr in slots:
-        words += [addr & 0xFFFFFFFF, (addr >> 32) & 0xFFFFFFFF]
-    return words
-
-
-def start_packet(opcode: int, words: list[int], masks: tuple[int, ...] = (1,)) -> bytes:
-    body = [*masks, *words]
-    head = ert_header(opcode, len(body), extra_cu_masks=len(masks) - 1)
-    return struct.pack(f"<{len(body) + 1}I", head, *body)
-
-
-def chain_packet(handles: list[int]) -> bytes:
-    words = [len(handles), 0, 0, 0, 0, 0]
-    for handle in handles:
-        words += [handle & 0xFFFFFFFF, handle >> 32]
-    return struct.pack(f"<{len(words) + 1}I", ert_header(ERT_CMD_CHAIN, len(words)), *words)
 
 
 class BadLog(logging.Handler):
@@ -328,10 +296,10 @@ def test_map_fixed_over_a_mapping_replaces_it_for_the_device(bench):
     (src, src_addr), _ = bench.data
     write_addr(src_addr, bytes(range(1, 65)))
     cmd, cmd_addr = bench.cmds[0]
-    write_addr(cmd_addr, start_packet(ERT_START_CU, regmap(bench.instr_addr, len(bench.stream) // 4,
+    write_addr(cmd_addr, packet(ERT_START_CU, regmap(bench.instr_addr, len(bench.stream) // 4,
                                                            [src_addr, base + 4096])))
     bench.run(cmd, [bench.instr, src, b])
-    assert struct.unpack("<I", read_addr(cmd_addr, 4))[0] & 0xF == ERT_STATE_COMPLETED
+    assert state_of(cmd_addr) == ERT_STATE_COMPLETED
     assert read_addr(base + 4096, 64) == bytes(range(1, 65))
     seam.mmap(4096, raw.bo_info(b).map_offset, base)               # B again, at A's start
     seam.munmap(base, 8192)
@@ -407,11 +375,6 @@ def test_a_process_out_of_fds_gets_the_errno_named():
         os.close(fd)
 
 
-def timeline_signal(seam, handle: int, point: int) -> None:
-    handles, points = UserMem(struct.pack("<I", handle)), UserMem(struct.pack("<Q", point))
-    call(seam, "SYNCOBJ_TIMELINE_SIGNAL", handles.addr, points.addr, 1, 0)
-
-
 def test_an_unordered_timeline_point_never_moves_the_timeline_back():
     """TIMELINE_SIGNAL of 5 then 3: dma_fence_chain_init gives the second link seqno max(5, 3) = 5 in a new
     fence context, so the last submitted and signalled points stay 5 and a wait on 5 or 4 succeeds. The
@@ -419,8 +382,8 @@ def test_an_unordered_timeline_point_never_moves_the_timeline_back():
     with emu_device("npu4") as device, device.open() as seam:
         raw = Raw(seam)
         handle = call(seam, "SYNCOBJ_CREATE", 0, 0)[0]
-        timeline_signal(seam, handle, 5)
-        timeline_signal(seam, handle, 3)
+        raw.timeline_signal(handle, 5)
+        raw.timeline_signal(handle, 3)
         assert raw.query(handle, flags=1) == 5 and raw.query(handle) == 5
         for point in (5, 4, 1):
             raw.timeline_wait(handle, point, timeout_s=0.0, flags=0)
@@ -440,11 +403,11 @@ def test_a_job_after_an_unordered_point_is_waited_for_from_any_earlier_point(ben
     write_addr(info.vaddr, stream)
     slots = [addr for _, addr in bench.data]
     (first, first_addr), (held, held_addr) = bench.cmds[:2]
-    write_addr(first_addr, start_packet(ERT_START_CU, regmap(bench.instr_addr, len(bench.stream) // 4, slots)))
-    write_addr(held_addr, start_packet(ERT_START_CU, regmap(info.xdna_addr, len(stream) // 4, slots)))
+    write_addr(first_addr, packet(ERT_START_CU, regmap(bench.instr_addr, len(bench.stream) // 4, slots)))
+    write_addr(held_addr, packet(ERT_START_CU, regmap(info.xdna_addr, len(stream) // 4, slots)))
     data = [h for h, _ in bench.data]
     assert bench.run(first, [bench.instr, *data]) == 0
-    timeline_signal(bench.seam, bench.syncobj, 5)
+    bench.raw.timeline_signal(bench.syncobj, 5)
     assert bench.raw.exec_cmd(bench.ctx, held, [instr, *data]) == 1
     try:
         assert gate.entered.wait(5)
@@ -454,7 +417,7 @@ def test_a_job_after_an_unordered_point_is_waited_for_from_any_earlier_point(ben
     finally:
         gate.release.set()
     bench.raw.timeline_wait(bench.syncobj, 1, timeout_s=5.0)
-    assert struct.unpack("<I", read_addr(held_addr, 4))[0] & 0xF == ERT_STATE_COMPLETED
+    assert state_of(held_addr) == ERT_STATE_COMPLETED
 
 
 def test_read_only_or_strided_argument_is_refused_before_the_ioctl_runs():
@@ -568,11 +531,11 @@ def command_packet(draw, bench: Bench):
     ninstr = draw(st.sampled_from([len(bench.stream) // 4, 0, 1, 0xFFFFFFFF]))
     if kind == "cu":
         masks = tuple(draw(st.lists(st.sampled_from([0, 1, 2, 1 << 31]), min_size=1, max_size=4)))
-        data = start_packet(ERT_START_CU, regmap(instr, ninstr, slots), masks)
+        data = packet(ERT_START_CU, regmap(instr, ninstr, slots), masks)
     elif kind == "npu":
         props = draw(st.lists(st.integers(0, 0xFFFFFFFF), max_size=3))
         preamble = [instr & 0xFFFFFFFF, instr >> 32, 4 * ninstr & 0xFFFFFFFF, len(props), *props]
-        data = start_packet(ERT_START_NPU, preamble + regmap(instr, ninstr, slots))
+        data = packet(ERT_START_NPU, preamble + regmap(instr, ninstr, slots))
     elif kind == "chain":
         handles = bench.handles() + [0, 9999, (1 << 64) - 1]
         data = chain_packet(draw(st.lists(st.sampled_from(handles), max_size=6)))
@@ -587,7 +550,7 @@ def command_packet(draw, bench: Bench):
 def test_random_packets_always_end_in_a_defined_state(bench):
     """Every packet a user can write ends: fence signalled within the bound, state NEW/COMPLETED/ERROR/ABORT/
     TIMEOUT, nothing reported as an internal firmware failure; sub-commands hold valid ERT_START_CU packets."""
-    valid = start_packet(ERT_START_CU, regmap(bench.instr_addr, len(bench.stream) // 4,
+    valid = packet(ERT_START_CU, regmap(bench.instr_addr, len(bench.stream) // 4,
                                               [addr for _, addr in bench.data]))
 
     @FUZZ
@@ -604,7 +567,7 @@ def test_random_packets_always_end_in_a_defined_state(bench):
         except OSError as exc:
             assert exc.errno in (errno.EINVAL, errno.ENOENT), exc
             return
-        assert struct.unpack("<I", read_addr(cmd_addr, 4))[0] & 0xF in ENDED_STATES
+        assert state_of(cmd_addr) in ENDED_STATES
 
     with watched_log() as log:
         one()
@@ -665,10 +628,10 @@ def test_mutated_streams_bound_to_models_complete_or_fail_cleanly(bench):
         instr, info = bench.raw.dev_bo(len(stream))
         write_addr(info.vaddr, stream)
         cmd, cmd_addr = bench.cmds[0]
-        write_addr(cmd_addr, start_packet(ERT_START_CU, regmap(info.xdna_addr, len(stream) // 4,
+        write_addr(cmd_addr, packet(ERT_START_CU, regmap(info.xdna_addr, len(stream) // 4,
                                                                [addr for _, addr in bench.data])))
         bench.run(cmd, [instr, *(h for h, _ in bench.data)])
-        assert struct.unpack("<I", read_addr(cmd_addr, 4))[0] & 0xF in (ERT_STATE_COMPLETED, ERT_STATE_ERROR)
+        assert state_of(cmd_addr) in (ERT_STATE_COMPLETED, ERT_STATE_ERROR)
         bench.raw.gem_close(instr)
 
     with watched_log() as log:
@@ -708,7 +671,7 @@ def random_client(device: EmuDevice, seed: int, failures: list) -> None:
                 elif roll < 0.6:
                     ctx, syncobj = rng.choice(contexts)
                     cmd, cmd_addr = raw.shmem(4096, BO_CMD)
-                    write_addr(cmd_addr, start_packet(ERT_START_CU, regmap(info.xdna_addr, len(stream) // 4,
+                    write_addr(cmd_addr, packet(ERT_START_CU, regmap(info.xdna_addr, len(stream) // 4,
                                                                            [a_addr, b_addr])))
                     if cmds and rng.random() < 0.3:
                         chain, chain_addr = raw.shmem(4096, BO_CMD)

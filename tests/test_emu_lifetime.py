@@ -27,8 +27,9 @@ from emu_raw import (
     check_released,
     monotonic_ns,
     read_addr,
+    state_of,
 )
-from test_emu_exec import Npu, state_of
+from test_emu_exec import Npu
 
 PROMPT_S = 1.0          # "promptly": far below the 2 s TDR that used to be the only way out
 

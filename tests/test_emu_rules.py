@@ -22,6 +22,9 @@ from emu_raw import (
     BO_DEV,
     BO_DEV_HEAP,
     BO_SHMEM,
+    ERT_START_CU,
+    ERT_STATE_ABORT,
+    ERT_STATE_COMPLETED,
     FMT,
     HEAP_BASE,
     INVALID_ADDR,
@@ -39,9 +42,11 @@ from emu_raw import (
     ioc,
     monotonic_ns,
     pack,
+    packet,
     read_addr,
+    regmap,
     request,
-    start_cu_packet,
+    state_of,
     unpack,
     write_addr,
 )
@@ -56,7 +61,6 @@ QUERY_HW_CONTEXTS, QUERY_AIE_STATUS, QUERY_AIE_METADATA, QUERY_AIE_VERSION = 5, 
 QUERY_CLOCK_METADATA, QUERY_SENSORS, QUERY_FIRMWARE_VERSION, GET_POWER_MODE, QUERY_RESOURCE_INFO = 3, 4, 8, 9, 12
 HW_CONTEXT_ALL, HW_LAST_ASYNC_ERR, BO_USAGE = 0, 2, 6
 HWCTX_ENTRY_SIZE = 144
-ERT_STATE_NEW, ERT_STATE_COMPLETED, ERT_STATE_ABORT = 1, 4, 6
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -70,10 +74,6 @@ def dev():
 @pytest.fixture
 def raw(dev):
     return Raw(dev.open())
-
-
-def with_heap(raw: Raw, size: int = 64 * MIB) -> tuple[int, int]:
-    return raw.heap(size)
 
 
 def hw_contexts(raw: Raw) -> list[tuple]:
@@ -103,20 +103,10 @@ def timeline_wait(raw: Raw, handle: int, point: int, deadline_ns: int, flags: in
     return call(raw.seam, "SYNCOBJ_TIMELINE_WAIT", handles.addr, points.addr, deadline_ns, count, flags, 0)
 
 
-def timeline_signal(raw: Raw, handle: int, point: int) -> None:
-    handles = UserMem(struct.pack("<I", handle))
-    points = UserMem(struct.pack("<Q", point))
-    call(raw.seam, "SYNCOBJ_TIMELINE_SIGNAL", handles.addr, points.addr, 1, 0)
-
-
 def cmd_bo(raw: Raw, packet: bytes, size: int = PAGE) -> tuple[int, int]:
     handle, addr = raw.shmem(size, BO_CMD)
     write_addr(addr, packet)
     return handle, addr
-
-
-def state_of(addr: int) -> int:
-    return struct.unpack("<I", read_addr(addr, 4))[0] & 0xF
 
 
 class Npu1Job:
@@ -141,10 +131,8 @@ class Npu1Job:
 
     def submit(self) -> tuple[int, int]:
         """A fresh command BO with the 15-word regmap (bo0 = src, bo2 = dst); returns (seq, cmd address)."""
-        words = [3, 0, self.instr_addr & 0xFFFFFFFF, self.instr_addr >> 32, len(self.insts) // 4]
-        for addr in (self.src_addr, 0, self.dst_addr, 0, 0):
-            words += [addr & 0xFFFFFFFF, addr >> 32]
-        handle, addr = cmd_bo(self.raw, start_cu_packet(words))
+        words = regmap(self.instr_addr, len(self.insts) // 4, [self.src_addr, 0, self.dst_addr], nslots=5)
+        handle, addr = cmd_bo(self.raw, packet(ERT_START_CU, words))
         return self.raw.exec_cmd(self.ctx, handle, [self.src, self.dst, self.instr]), addr
 
 
@@ -254,7 +242,7 @@ def test_rule_D8(raw):
     deadline = monotonic_ns() + 200_000_000                                   # absolute CLOCK_MONOTONIC
     assert errno_of(timeline_wait, raw, empty, 1, deadline, WAIT_FOR_SUBMIT) == errno.ETIME
     assert 0.15 <= time.monotonic() - start < 2.0
-    timeline_signal(raw, empty, 5)
+    raw.timeline_signal(empty, 5)
     assert raw.query(empty) == 5
     timeline_wait(raw, empty, 3, now)                                        # first link >= 3 is 5
     assert errno_of(timeline_wait, raw, empty, 6, now) == errno.EINVAL
@@ -262,7 +250,7 @@ def test_rule_D8(raw):
     waiter = threading.Thread(target=timeline_wait, args=(raw, empty, 9, monotonic_ns() + 5 * 10**9, WAIT_FOR_SUBMIT))
     waiter.start()
     time.sleep(0.05)
-    timeline_signal(raw, empty, 9)
+    raw.timeline_signal(empty, 9)
     waiter.join(5)
     assert not waiter.is_alive() and raw.query(empty) == 9
     timeline_wait(raw, empty, 2, now)                                        # covered by a pruned link
@@ -305,7 +293,7 @@ def test_rule_D8_point_zero_waits_for_latest():
 # ---------------------------------------------------------------------------------------------- H: contexts
 
 def test_rule_H1(raw):
-    with_heap(raw)
+    raw.heap()
     qos = UserMem(24)
     for ext, ext_flags in ((1, 0), (0, 1)):
         assert errno_of(call, raw.seam, "CREATE_HWCTX", ext, ext_flags, qos.addr, 0, 0, 0, 4, 0, 0, 0, 0) \
@@ -322,7 +310,7 @@ def test_rule_H2(raw):
     raw.seam.munmap(page, 2 * PAGE)
     buf = (ctypes.c_char * (2 * PAGE))()
     end = (ctypes.addressof(buf) + PAGE) & ~(PAGE - 1)
-    with_heap(raw)
+    raw.heap()
     call(raw.seam, "CREATE_HWCTX", 0, 0, end - 24, 0, 0, 0, 4, 0, 0, 0, 0)
 
 
@@ -333,20 +321,20 @@ def test_rule_H3(raw):
 
 
 def test_rule_H4(raw):
-    with_heap(raw, 4 * 32 * KIB)
+    raw.heap(4 * 32 * KIB)
     raw.create_hwctx()
     assert errno_of(raw.create_hwctx) == errno.ENOSPC
     assert errno_of(raw.dev_bo, PAGE) == errno.ENOSPC     # the first context took all four 32 KiB slots
 
 
 def test_rule_H4_placement_after_context(raw):
-    with_heap(raw)
+    raw.heap()
     raw.create_hwctx()
     assert raw.dev_bo(PAGE)[1].xdna_addr == HEAP_BASE + 4 * 32 * KIB
 
 
 def test_rule_H5(raw):
-    with_heap(raw)
+    raw.heap()
     for tiles in (0, 3, 4 * 9):                  # zero tiles, zero columns, more columns than npu4 has
         assert errno_of(raw.create_hwctx, tiles) == errno.EINVAL
     raw.create_hwctx(8 + 3)                      # 11 tiles -> 2 columns
@@ -356,7 +344,7 @@ def test_rule_H5(raw):
 def test_rule_H6():
     with emu_device("npu1") as dev:
         raw = Raw(dev.open())
-        with_heap(raw)
+        raw.heap()
         a, _ = raw.create_hwctx(8)
         b, _ = raw.create_hwctx(8)
         assert errno_of(raw.create_hwctx, 4) == errno.ENODEV      # no free column, no 1-column partition
@@ -365,12 +353,12 @@ def test_rule_H6():
         assert placed == {a: (1, 2), b: (3, 2), c: (1, 2)}
     with emu_device("npu1") as full:
         raw = Raw(full.open())
-        with_heap(raw)
+        raw.heap()
         raw.create_hwctx(4 * 5)
         assert hw_contexts(raw)[0][1:3] == (0, 5)                 # only a full partition uses column 0
     with emu_device("npu6") as aligned:
         raw = Raw(aligned.open())
-        with_heap(raw)
+        raw.heap()
         for tiles in (4, 8, 16, 4):
             raw.create_hwctx(tiles)
         assert [entry[1:3] for entry in hw_contexts(raw)] == [(0, 1), (2, 2), (4, 4), (1, 1)]
@@ -379,7 +367,7 @@ def test_rule_H6():
 def test_rule_H7(caplog):
     with emu_device("npu1") as dev:
         raw = Raw(dev.open())
-        with_heap(raw)
+        raw.heap()
         for _ in range(PROFILES["npu1"].hwctx_limit):
             raw.create_hwctx(4)                   # 4 partitions, then 2 shared
         with caplog.at_level(logging.ERROR, logger="amdxdna_direct.emu"):
@@ -387,11 +375,11 @@ def test_rule_H7(caplog):
         assert "command opcode 0x2 failed" in caplog.text and "create context failed" in caplog.text
         # A second fd on the same device counts against the same firmware limit.
         other = Raw(dev.open())
-        with_heap(other)
+        other.heap()
         assert errno_of(other.create_hwctx, 4) == errno.EINVAL
     with emu_device("npu4") as capped:
         raw = Raw(capped.open())
-        with_heap(raw)
+        raw.heap()
         capped.faults.cap_contexts(1)
         raw.create_hwctx()
         assert errno_of(raw.create_hwctx) == errno.EINVAL
@@ -408,7 +396,7 @@ def test_rule_H7(caplog):
 
 
 def test_rule_H8(raw):
-    with_heap(raw)
+    raw.heap()
     own = call(raw.seam, "SYNCOBJ_CREATE", 0, 0)[0]
     first, sync1 = raw.create_hwctx()
     second, sync2 = raw.create_hwctx()
@@ -421,7 +409,7 @@ def test_rule_H8(raw):
 
 
 def test_rule_H9(raw):
-    with_heap(raw)
+    raw.heap()
     for priority in (0x100, 0x280, 0x123, 0):
         raw.create_hwctx(priority=priority)
     data, size, count = get_array(raw, HW_CONTEXT_ALL, HWCTX_ENTRY_SIZE, 8)
@@ -430,7 +418,7 @@ def test_rule_H9(raw):
 
 
 def test_rule_H10(raw):
-    with_heap(raw)
+    raw.heap()
     ctx, sync = raw.create_hwctx()
     assert errno_of(call, raw.seam, "DESTROY_HWCTX", ctx, 1) == errno.EINVAL
     assert errno_of(raw.destroy_hwctx, 42) == errno.EINVAL
@@ -463,7 +451,7 @@ def test_rule_H10_in_flight_jobs_abort():
 
 
 def test_rule_H11(raw):
-    with_heap(raw)
+    raw.heap()
     ctx, _ = raw.create_hwctx()
     assert errno_of(call, raw.seam, "CONFIG_HWCTX", ctx, 1, 0, 0, 1) == errno.EINVAL       # pad
     assert errno_of(call, raw.seam, "CONFIG_HWCTX", ctx, 7, 0, 0, 0) == errno.EINVAL       # param_type
@@ -472,7 +460,7 @@ def test_rule_H11(raw):
 
 
 def test_rule_H12(raw):
-    with_heap(raw)
+    raw.heap()
     ctx, _ = raw.create_hwctx()
     pdi, _ = raw.dev_bo(PAGE)
     shmem = raw.create_bo(PAGE, BO_SHMEM)
@@ -500,7 +488,7 @@ def test_rule_H12(raw):
 
 
 def test_rule_H13(raw):
-    with_heap(raw)
+    raw.heap()
     ctx, _ = raw.create_hwctx()
     dbg, _ = raw.dev_bo(PAGE)
     shmem = raw.create_bo(PAGE, BO_SHMEM)
@@ -515,8 +503,8 @@ def test_rule_H13(raw):
 
 def test_rule_H14(dev):
     first, second = Raw(dev.open()), Raw(dev.open())
-    with_heap(first)
-    with_heap(second)
+    first.heap()
+    second.heap()
     first.create_hwctx()
     first.create_hwctx()
     kept, _ = second.create_hwctx()
@@ -580,7 +568,7 @@ def test_rule_B4(raw):
 
 def test_rule_B5(raw):
     assert errno_of(raw.create_bo, 3, BO_CMD) == errno.EINVAL
-    with_heap(raw)
+    raw.heap()
     ctx, sync = raw.create_hwctx()
     big = raw.create_bo(32 * KIB + 1, BO_CMD)               # accepted at creation ...
     assert errno_of(raw.exec_cmd, ctx, big, []) == errno.EINVAL      # ... refused at EXEC_CMD
@@ -596,7 +584,7 @@ def test_rule_B6(raw):
     assert errno_of(raw.bo_info, 42) == errno.ENOENT
     assert raw.bo_info(shmem).xdna_addr == INVALID_ADDR and raw.bo_info(cmd).xdna_addr == INVALID_ADDR
     assert raw.bo_info(shmem).vaddr == INVALID_ADDR           # never mapped
-    with_heap(raw)
+    raw.heap()
     assert raw.dev_bo(PAGE)[1].xdna_addr == HEAP_BASE
 
 
@@ -616,7 +604,7 @@ def test_rule_B8(dev, raw):
     assert errno_of(raw.seam.mmap, PAGE, offset + PAGE) == errno.EINVAL
     other = Raw(dev.open())
     assert errno_of(other.seam.mmap, PAGE, offset) == errno.EINVAL      # a BO of another fd
-    with_heap(raw)
+    raw.heap()
     dev_bo, _ = raw.dev_bo(PAGE)
     assert errno_of(raw.seam.mmap, PAGE, INVALID_ADDR) == errno.EINVAL  # DEV BOs have no map_offset
 
@@ -644,7 +632,7 @@ def test_rule_I2(dev, raw):
 
     assert errno_of(query, 8 * col_size + 1) == errno.EINVAL
     assert query(8 * col_size)[2] == 0
-    with_heap(raw)
+    raw.heap()
     raw.create_hwctx(4)
     raw.create_hwctx(8)                        # columns 0 and 2..3
     assert query(8 * col_size)[2] == 0b1101
@@ -661,7 +649,7 @@ def test_rule_I3(dev, raw):
     clocks, _ = raw.get_info(QUERY_CLOCK_METADATA, 48)
     assert clocks[:12] == b"MP-NPU Clock" and clocks[24:31] == b"H Clock"
     assert raw.get_info(GET_POWER_MODE, 8)[0][0] == 0
-    with_heap(raw)
+    raw.heap()
     raw.create_hwctx()
     resources = struct.unpack("<5Q", raw.get_info(QUERY_RESOURCE_INFO, 40)[0])
     assert resources[2] == 16 and resources[4] == 1
@@ -672,7 +660,7 @@ def test_rule_I3(dev, raw):
 
 
 def test_rule_I4(raw):
-    with_heap(raw)
+    raw.heap()
     first, sync = raw.create_hwctx(4)
     second, _ = raw.create_hwctx(16)
     malformed = cmd_bo(raw, bytes(16))[0]            # header count 0: fails with state NEW
@@ -686,7 +674,7 @@ def test_rule_I5(raw):
     assert errno_of(get_array, raw, 99, 8, 1) == errno.EOPNOTSUPP
     assert errno_of(get_array, raw, HW_CONTEXT_ALL, 4097, 1) == errno.EINVAL
     assert errno_of(get_array, raw, HW_CONTEXT_ALL, 8, 1025) == errno.EINVAL
-    with_heap(raw)
+    raw.heap()
     handles = [raw.create_hwctx()[0] for _ in range(3)]
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 200, 8)
     assert (size, count) == (HWCTX_ENTRY_SIZE, 3)
@@ -718,7 +706,7 @@ def test_rule_I6(raw):
 
     levels = PROFILES["npu4"].dpm_clocks
     assert clocks() == levels[0]                                   # DEFAULT: the lowest DPM level
-    with_heap(raw)
+    raw.heap()
     ctx, _ = raw.create_hwctx()
     assert errno_of(mode, 4) == errno.EINVAL
     mode(3)
@@ -753,7 +741,7 @@ def test_counters_back_to_zero_after_error_paths():
     dev = EmuDevice("npu4")
     raw = Raw(dev.open())
     assert errno_of(raw.create_hwctx) == errno.ENOENT          # no heap
-    with_heap(raw, 4 * 32 * KIB + 32 * KIB)
+    raw.heap(4 * 32 * KIB + 32 * KIB)
     ctx, sync = raw.create_hwctx()
     assert errno_of(raw.create_hwctx) == errno.ENOSPC          # after taking nothing
     shmem, _ = raw.shmem(2 * PAGE)
@@ -780,7 +768,7 @@ def test_wait_cmd_upstream_and_out_of_tree():
         assert errno_of(call, raw.seam, "WAIT_CMD", 1, 0, 0) == errno.EOPNOTSUPP
     with emu_device("npu4", wait_cmd=True) as oot:
         raw = Raw(oot.open())
-        with_heap(raw)
+        raw.heap()
         ctx, _ = raw.create_hwctx()
         wait_iowr = ioc(IOWR, 0x49, 16)
         assert errno_of(raw.seam.ioctl, wait_iowr, pack("wait_cmd", 9, 0, 0)) == errno.EINVAL      # context
@@ -814,7 +802,7 @@ def test_prime_export_import_shares_the_bo(dev, raw):
 
 
 def test_bo_usage_sums_this_pid(raw):
-    heap, _ = with_heap(raw, 2 * MIB)
+    heap, _ = raw.heap(2 * MIB)
     raw.create_bo(3 * PAGE, BO_SHMEM)
     raw.create_bo(PAGE, BO_CMD)
     raw.dev_bo(5 * PAGE)

@@ -236,7 +236,7 @@ def test_os_seam_on_ordinary_files():
 def test_qos_buffer_is_32_zeroed_bytes_with_priority(npu1_fixture, priority, value):
     dev, emu, seam = emu_open("npu1")
     seen = []
-    request = next(c for c in _abi().IOCTLS if c & 0xFF == 0x40)
+    request = request_of(0x40)
     seam.inject[request] = lambda buf: seen.append(ctypes.string_at(struct.unpack_from("<Q", buf, 16)[0], 32))
     ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"), priority=priority)
     # spec amdxdna-uapi.md 2.1 / 12: six u32 (priority at 20), then user_start_col 0xFF, reserved 0
@@ -245,12 +245,6 @@ def test_qos_buffer_is_32_zeroed_bytes_with_priority(npu1_fixture, priority, val
     with pytest.raises(ValueError, match="priority"):
         dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"), priority="urgent")
     dev.close()
-
-
-def _abi():
-    from amdxdna_direct import abi
-
-    return abi
 
 
 def test_contexts_are_released_on_garbage_collection(npu1_fixture):

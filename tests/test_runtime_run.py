@@ -282,7 +282,7 @@ def test_context_unavailable_leaves_no_handles(npu1_fixture, err):
 @pytest.mark.emu_only
 def test_failed_config_cu_releases_context_syncobj_and_pdi(npu1_fixture):
     dev, emu, seam = emu_open("npu1")
-    seam.inject[next(r for r in _requests() if r & 0xFF == 0x42)] = lambda buf: errno.EINVAL
+    seam.inject[request_of(0x42)] = lambda buf: errno.EINVAL
     with pytest.raises(errors.XdnaError, match=r"CONFIG_HWCTX\(handle=1, param_type=CONFIG_CU, num_cus=1\): EINVAL"):
         dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
     live = emu.counters.live()
@@ -290,12 +290,6 @@ def test_failed_config_cu_releases_context_syncobj_and_pdi(npu1_fixture):
     assert seam.ioctls()[-3:] == ["SYNCOBJ_DESTROY", "DESTROY_HWCTX", "GEM_CLOSE"]
     dev.close()
     assert set(emu.counters.live().values()) == {0}
-
-
-def _requests():
-    from amdxdna_direct import abi
-
-    return list(abi.IOCTLS)
 
 
 @pytest.mark.emu_only

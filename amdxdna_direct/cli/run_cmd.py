@@ -68,7 +68,7 @@ def parse_buffer(text: str, direction: str) -> BufferSpec:
         UsageError: the slot is not a non-negative integer.
     """
     slot_text, sep, path = text.partition("=")
-    if not sep or not slot_text.isdigit():
+    if not sep or not (slot_text.isascii() and slot_text.isdigit()):  # isdigit alone takes "²"
         if sep and slot_text.strip().lstrip("-").isdigit():
             raise UsageError(f"--{direction} {text!r}: slot must be a non-negative integer")
         return BufferSpec(Path(text), None, direction)

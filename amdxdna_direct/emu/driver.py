@@ -271,14 +271,13 @@ class HwCtx:
     dbg_bos: list[Bo] = field(default_factory=list)
     stats: collections.Counter = field(default_factory=collections.Counter)
     next_seq: int = 0
-    fences: dict[int, Fence] = field(default_factory=dict)   # seq -> fence of the jobs in flight
-    jobs: dict[int, Job] = field(default_factory=dict)       # seq -> the jobs in flight (their BO references)
+    jobs: dict[int, Job] = field(default_factory=dict)       # seq -> the jobs in flight (fences, BO references)
     destroyed: bool = False
 
     @property
     def inflight(self) -> int:
         """Jobs submitted and not yet ended (at most HWCTX_MAX_CMDS, spec 4.7 step 6)."""
-        return len(self.fences)
+        return len(self.jobs)
 
 
 class Job:
@@ -310,12 +309,11 @@ class Job:
                 raise RuntimeError(f"job seq={self.seq} of context {self.ctx.handle} completed twice")
             self.done = True
             if state is None:
-                state = int.from_bytes(self.cmd_bo.mem[0:4], "little") & 0xF
+                state = self.cmd_bo.mem[0] & 0xF
             self.ctx.stats["completions"] += 1
             if state != ERT_STATE_COMPLETED:
                 self.ctx.stats["errors"] += 1
             self.fence.signalled = True
-            del self.ctx.fences[self.seq]
             del self.ctx.jobs[self.seq]
             for bo in (self.cmd_bo, *self.arg_bos):
                 dev.unref_bo(bo)
@@ -337,7 +335,7 @@ class Counters:
         """Live BOs (backing not yet released), contexts, syncobjs and user mappings."""
         dev = self._device
         with dev.lock:
-            return {"bos": dev.live_bos, "hwctx": sum(len(c.contexts) + len(c.closing) for c in dev.clients),
+            return {"bos": dev.live_bos, "hwctx": len(dev.contexts),
                     "syncobjs": sum(len(c.syncobjs) for c in dev.clients),
                     "mappings": sum(len(c.memory.mappings) for c in dev.clients)}
 
@@ -377,12 +375,20 @@ class Faults:
         self.context_cap = n
 
     def hang(self, stream, count: int = 1) -> None:
-        """The next `count` runs of the stream hang (TDR -> TIMEOUT); see Firmware.hang."""
-        self._device.firmware.hang(stream, count)
+        """The next `count` runs of the stream (its bytes or sha256 hex) hang: the TDR ends them TIMEOUT.
+
+        Raises:
+            ValueError: count < 1 or a malformed digest.
+        """
+        self._device.firmware.inject("hang", stream, count)
 
     def error(self, stream, count: int = 1) -> None:
-        """The next `count` runs of the stream end with ERROR; see Firmware.error."""
-        self._device.firmware.error(stream, count)
+        """The next `count` runs of the stream (its bytes or sha256 hex) end with a firmware ERROR.
+
+        Raises:
+            ValueError: count < 1 or a malformed digest.
+        """
+        self._device.firmware.inject("error", stream, count)
 
     def lose_device(self) -> None:
         """Every later ioctl and mmap answers ENODEV (the device was unplugged, rule D5).
@@ -689,16 +695,16 @@ class EmuDevice:
             self._put_client(client)
 
     def _dispatch(self, client: Client, entry: IoctlDef | None, op: str, request: int, buf) -> int:
-        nr = (request >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
-        type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
-        user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
-        user_dir = request >> IOC_DIRSHIFT
         if self.lost:
             raise fail(errno.ENODEV, op, "device lost (drm_dev_is_unplugged)")
-        if type_byte != DRM_IOCTL_BASE:
-            raise fail(errno.ENOTTY, op, f"type byte {type_byte:#x} is not 'd'")
         if entry is None:
+            type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
+            if type_byte != DRM_IOCTL_BASE:
+                raise fail(errno.ENOTTY, op, f"type byte {type_byte:#x} is not 'd'")
+            nr = (request >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
             raise fail(errno.EINVAL, op, f"nr {nr:#x} not in the driver's table")
+        user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
+        user_dir = request >> IOC_DIRSHIFT
         with self.lock:
             self.counters.ioctls[entry.name] += 1
         if entry.root_only and not self.cap_sys_admin:
@@ -1094,14 +1100,7 @@ class EmuDevice:
         offset = memory.allocator.alloc(size)
         if offset is None:
             return None
-        heap = memory.heap
-        heap.refs += 1
-        bo = Bo(handle=0, kind=AMDXDNA_BO_DEV, size=size, mem=heap.mem[offset:offset + size], heap=heap,
-                heap_offset=offset, xdna_addr=AIE2_DEVM_BASE + offset, vaddr=heap.vaddr + offset, internal=internal)
-        bo.fd_memory = memory
-        memory.dev_bos[offset] = bo
-        self.live_bos += 1
-        return bo
+        return self._place_dev_bo(memory, offset, size, [memory.heap], internal)
 
     def _new_window_dev_bo(self, client: Client, size: int, op: str, internal: bool) -> Bo:
         # Expandable heap (spec 4.4 staging): place in the whole window first (drm_mm), then find the chunks
@@ -1118,13 +1117,17 @@ class EmuDevice:
         except OSError:
             memory.allocator.free(offset)
             raise
+        return self._place_dev_bo(memory, offset, size, chunks, internal)
+
+    def _place_dev_bo(self, memory: Memory, offset: int, size: int, chunks: list[Bo], internal: bool) -> Bo:
+        """The DEV BO at heap-window `offset` (already allocated), over `chunks`: it holds every chunk it spans."""
         for chunk in chunks:
-            chunk.refs += 1     # a DEV BO holds every chunk it spans
+            chunk.refs += 1
         first = chunks[0]
-        bo = Bo(handle=0, kind=AMDXDNA_BO_DEV, size=size, mem=memory.window.view[offset:offset + size], heap=first,
+        pages = memory.heap.mem if memory.window is None else memory.window.view
+        bo = Bo(handle=0, kind=AMDXDNA_BO_DEV, size=size, mem=pages[offset:offset + size], heap=first,
                 more_heaps=tuple(chunks[1:]), heap_offset=offset, xdna_addr=AIE2_DEVM_BASE + offset,
-                vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal)
-        bo.fd_memory = memory
+                vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal, fd_memory=memory)
         memory.dev_bos[offset] = bo
         self.live_bos += 1
         return bo
@@ -1247,7 +1250,6 @@ class EmuDevice:
         ctx.next_seq += 1
         fence = Fence()
         ctx.syncobj.add(seq, fence)
-        ctx.fences[seq] = fence
         ctx.stats["submissions"] += 1
         # The job owns the references EXEC_CMD took until Job.complete drops them (spec 4.7 step 4, rule D7).
         job = Job(self, ctx, seq, cmd_bo, arg_bos, fence)
@@ -1263,11 +1265,11 @@ class EmuDevice:
             ctx = client.contexts.get(a["hwctx"])
             if ctx is None:
                 raise fail(errno.EINVAL, op, "hwctx not found")
-            fence = ctx.fences.get(a["seq"]) if a["seq"] < ctx.next_seq else None
-            if fence is None and a["seq"] >= ctx.next_seq:
+            if a["seq"] >= ctx.next_seq:
                 raise fail(errno.EINVAL, op, "seq never submitted")
+            job = ctx.jobs.get(a["seq"])       # None: the job has already ended
             deadline = None if a["timeout"] == 0 else time.monotonic() + a["timeout"] / 1000
-            if fence is not None and not self._wait_until(lambda: fence.signalled, deadline, op):
+            if job is not None and not self._wait_until(lambda: job.fence.signalled, deadline, op):
                 raise fail(errno.ETIME, op, f"not done after {a['timeout']} ms")
 
     def _wait_until(self, predicate: Callable[[], bool], deadline: float | None, op: str) -> bool:
@@ -1538,10 +1540,10 @@ class EmuDevice:
     def _binary(self, client: Client, a: dict, op: str, fence: Fence | None) -> None:
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")
-        for timeline in self._handles(client, a, op):
-            with self.lock:
-                timeline.replace(fence)
+        timelines = self._handles(client, a, op)
         with self.lock:
+            for timeline in timelines:
+                timeline.replace(fence)
             self.cond.notify_all()
 
     def _ioctl_syncobj_query(self, client: Client, a: dict) -> None:

@@ -225,7 +225,6 @@ class _Engine:
 class _Lane:
     """The execution state of one hardware context."""
 
-    ctx: object
     cond: threading.Condition = field(default_factory=threading.Condition)
     jobs: deque = field(default_factory=deque)
     running: object = None
@@ -238,7 +237,7 @@ class _Lane:
 class Firmware:
     """The device worker of one EmuDevice (see module docstring).
 
-    `models` is the device's ModelRegistry; `hang`/`error` inject faults per stream.
+    `models` is the device's ModelRegistry; `inject` arms hang and error faults per stream.
     """
 
     def __init__(self, device, *, tdr_timeout: float = 2.0):
@@ -264,23 +263,13 @@ class Firmware:
 
     # -- fault injection -------------------------------------------------------------------------
 
-    def hang(self, stream: bytes | str, count: int = 1) -> None:
-        """The next `count` runs of the stream hang (the TDR ends them TIMEOUT).
+    def inject(self, kind: str, stream: bytes | str, count: int) -> None:
+        """The next `count` runs of the stream (its bytes or sha256 hex) "hang" (the TDR ends them TIMEOUT) or
+        end with a firmware "error".
 
         Raises:
             ValueError: count < 1 or a malformed digest.
         """
-        self._inject("hang", stream, count)
-
-    def error(self, stream: bytes | str, count: int = 1) -> None:
-        """The next `count` runs of the stream fail with a firmware ERROR.
-
-        Raises:
-            ValueError: count < 1 or a malformed digest.
-        """
-        self._inject("error", stream, count)
-
-    def _inject(self, kind: str, stream: bytes | str, count: int) -> None:
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"{kind} count must be a positive int, got {count!r}")
         digest = stream_digest(stream)
@@ -353,7 +342,7 @@ class Firmware:
             self._end(job, _Outcome(ERT_CMD_STATE_ABORT))
 
     def _start_lane(self, ctx) -> _Lane:
-        lane = _Lane(ctx)
+        lane = _Lane()
         name = f"emu-ctx{ctx.handle}"
         lane.engine = _Engine(f"{name}-engine", lane.cond)
         lane.worker = threading.Thread(target=_firmware_thread, args=(self._work_loop, lane), name=name, daemon=True)
