@@ -1,5 +1,6 @@
-"""sam3: Segment Anything 3's heavy layers (GEMMs, 3x3 convolutions, attention) on an AMD XDNA NPU.
+"""sam3: Segment Anything 3 with its heavy layers on an AMD XDNA NPU, reading the kernel bundles IRON writes.
 
-`sam3.bundle` loads a kernel bundle, `sam3.npu.Npu` runs it on a device (real or emulated),
-`sam3.build` writes bundles, `sam3.demo` is the `sam3-npu` command.
+One module per stage: `bundle` (the bundle format), `pack` (bfp16ebs8 weights), `npu` (kernels on a device,
+the context LRU), `kernels` (what each IRON kernel computes, for the emulator), `vit`, `neck`, `detr`
+(stages), `build` (generated bundles), `demo` and `cli` (the `sam3` command).
 """

@@ -1,15 +1,15 @@
-"""The NPU layer: a bundle's kernels on a device, with the semantics of the seed's `npu.rs`.
+"""The NPU layer: a bundle's kernels on a device, with the semantics of taconite-sam3 0.1.4's `npu.rs`.
 
-Every kernel of the bundle is loaded at open, in sorted key order, until the device has no room
-for another hardware context or `SAM3_MAX_CONTEXTS` is reached; the rest load on first use,
-evicting least-recently-used contexts (spec/sam3-bundle.md 7). Kernels naming the same xclbin
-share one context.
+Every kernel key (gemm, mha and op together) is loaded at open in sorted order until the device has
+no room for another hardware context or `SAM3_MAX_CONTEXTS` is reached; the rest load on first use,
+evicting least-recently-used contexts, never the one being loaded (docs/sam3-npu.md 2). GEMMs naming
+the same `ctx` xclbin key share one context; each mha and op has its own.
 
 A GEMM is compiled for `m` rows; a stage with more rows owns one A and one C buffer of the padded
-height and runs the kernel once per `m`-row chunk over sub-buffer views of them. Unlike the seed,
-a stage's chunks go to the device as command chains (ERT_CMD_CHAIN: `ceil(chunks / chain capacity)`
-EXEC_CMDs, the capacity being what the runtime's `RunList` packs into one chain, and one wait), and
-the command packets of an operand set are built once and reused.
+height and runs the kernel once per `m`-row chunk over sub-buffer views of them (docs/sam3-npu.md 3).
+Beyond the reference: a stage's chunks go to the device as command chains (ERT_CMD_CHAIN, one wait)
+unless `SAM3_CHAINS=0` asks for the reference's one-run-at-a-time dispatch, and the command packets of
+an operand set are built once and reused.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,22 @@ from amdxdna_direct import errors
 from amdxdna_direct.bo import FROM_DEVICE, Bo
 from amdxdna_direct.device import Device, open_device, release_steps
 from amdxdna_direct.hwctx import HwContext
-from amdxdna_direct.kernel import RunList
-from sam3.bundle import Bundle, GemmSpec, MhaSpec, OpSpec
+from amdxdna_direct.kernel import Run, RunList
+from amdxdna_direct.xclbin import Xclbin
+from sam3.bundle import Bundle, GemmSpec, KernelSource, MhaSpec, OpSpec
 from sam3.pack import BF16_BYTES, ConvGeometry, copy_wide, round_up, to_bf16
 
 ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
-# Command units kept per cache, least recently used dropped first: per Io / MhaIo (one per weight buffer) and
-# for `run_args` (one per kernel and operand set).
-UNIT_CACHE = 8
+ENV_CHAINS = "SAM3_CHAINS"
+# The reference's run timeout (docs/sam3-npu.md 1): a first run on real hardware never waits without bound.
+DEFAULT_TIMEOUT = 10.0
+# Command units kept per operand set (one per weight buffer: a ViT GEMM sees one per layer) and for
+# `run_args` (one per kernel and buffer set); least recently used dropped first.
+UNIT_CACHE = 64
 EVICTION_POLICIES = ("lru", "drain")
-# How a host wait for a command reaches the driver (spec/xrt-npu-sequence.md 1.9).
+# How a host wait for a command reaches the driver.
 WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
+U32_MAX = 0xFFFF_FFFF
 
 
 class NpuError(RuntimeError):
@@ -61,7 +66,7 @@ class NpuError(RuntimeError):
 def push(src: np.ndarray, bo: Bo, offset: int = 0) -> int:
     """Copies `src` into `bo` at byte `offset` with wide parallel copies and syncs that range to the device.
 
-    Counts the bytes in the device's `stats["bytes_in"]` (as `Bo.write` does). Returns the byte count.
+    Counts the bytes in the device's `stats["bytes_in"]`. Returns the byte count.
 
     Raises:
         TypeError: `src` holds Python objects.
@@ -74,14 +79,16 @@ def push(src: np.ndarray, bo: Bo, offset: int = 0) -> int:
     nbytes = data.nbytes
     if nbytes == 0:
         return 0
-    copy_wide(bo.array(np.uint8, nbytes, offset), data)
+    if offset < 0 or offset + nbytes > bo.size:
+        raise ValueError(f"push of {nbytes} bytes at offset {offset} does not fit a {bo.size}-byte buffer")
+    copy_wide(bo.array(np.uint8, nbytes, offset), data.reshape(-1).view(np.uint8))
     bo.sync(offset, nbytes)
     bo.device.stats["bytes_in"] += nbytes
     return nbytes
 
 
 def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndarray:
-    """The first `count` items of `dtype` of `bo` (synced from the device first), copied to host memory.
+    """The first `count` items of `dtype` of `bo` at byte `offset` (synced from the device first), copied out.
 
     Raises:
         TypeError: `count` or `offset` not an integer, or an object dtype.
@@ -110,8 +117,12 @@ def _integer(value: Any, what: str) -> int:
     return int(value)
 
 
-def _bf16_bits(src: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns of `src`: uint16 and bfloat16 arrays pass through, floats are rounded (RNE)."""
+def bf16_bits(src: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of `src`: uint16 and bfloat16 arrays pass through, floats are rounded (RNE).
+
+    Raises:
+        TypeError: neither bf16 bits nor floats.
+    """
     arr = np.asarray(src)
     if arr.dtype == np.uint16:
         return arr
@@ -129,11 +140,12 @@ def _bf16_bits(src: np.ndarray) -> np.ndarray:
 class Io:
     """A GEMM's operands for a row count: `a` (rows `lda` apart), `c`, and per-chunk views of both.
 
-    Keeps the prepared commands of its chunks per weight buffer, so a repeated stage only submits.
+    `rows` is the padded row count (a multiple of the GEMM's m); `n` the width of C. Keeps the prepared
+    commands of its chunks per weight buffer, so a repeated stage only submits.
     """
 
     def __init__(self, spec: GemmSpec, a: Bo, c: Bo, chunks: list[tuple[Bo, Bo]], rows: int,
-                 chained_from: str | None = None):
+                 chained_from: str | None = None, conv: ConvGeometry | None = None):
         self.key = spec.key
         self.spec = spec
         self.a = a
@@ -142,7 +154,7 @@ class Io:
         self.rows = rows
         self.n = spec.n
         self.chained_from = chained_from
-        # id(weights) -> ((weights,), command unit); built by Npu on first use, rebuilt after an eviction.
+        self.conv = conv
         self._units: dict[Any, tuple[tuple[Bo, ...], Any]] = {}
 
     @property
@@ -151,27 +163,23 @@ class Io:
         return self.chained_from is not None
 
     def set_a(self, src: np.ndarray) -> int:
-        """Fills the start of A (bf16 bits, or floats rounded to bf16) and syncs it; returns bytes pushed.
+        """Fills the start of A (bf16 bits, or floats rounded to bf16) and syncs what it wrote; returns bytes.
 
-        A convolution's A is Y (spec 4), laid out by `pack.conv_input(x, geometry, rows)`: it is filled whole.
+        Rows beyond `src` are left as they are (zero from allocation: padded rows are never written).
 
         Raises:
             NpuError: A is chained (another kernel's output).
-            ValueError: `src` is larger than A, or a convolution's `src` is not a whole Y (a raw map has no pad
-                columns: the kernel would read shifted windows).
+            ValueError: `src` is larger than A.
             TypeError: `src` is neither bf16 bits nor floats.
             XdnaError: SYNC_BO failed.
         """
         if self.chained:
             raise NpuError(f"{self.key}: A is {self.chained_from}'s C (chained); set_a would overwrite a "
-                           f"device result", self.key)
-        bits = _bf16_bits(src).reshape(-1)
+                           "device result", self.key)
+        bits = bf16_bits(src).reshape(-1)
         held = self.a.size // BF16_BYTES
         if bits.size > held:
             raise ValueError(f"{self.key}: set_a of {bits.size} elements, A holds {held}")
-        if self.spec.conv is not None and bits.size != held:
-            raise ValueError(f"{self.key}: set_a of {bits.size} elements, a convolution's A is Y of {held} "
-                             f"(pack.conv_input(x, geometry, {self.rows}))")
         return push(bits, self.a)
 
     def sync_a(self) -> None:
@@ -183,7 +191,7 @@ class Io:
         self.a.sync()
 
     def get_c(self, rows: int) -> np.ndarray:
-        """The first `rows` rows of C as bf16 bits, `[rows][n]`, copied out.
+        """The first `rows` rows of C as bf16 bits, `[rows, n]`, copied out.
 
         Raises:
             TypeError: `rows` is not an integer.
@@ -197,41 +205,41 @@ class Io:
 
 
 class MhaIo:
-    """q, k, v, o of an attention kernel, each `batch` items of `heads x seq x d` bf16 (one item per run)."""
+    """q, k, v, o of an attention kernel, each `elems` bf16 in the kernel's layout (docs/sam3-npu.md 4)."""
 
-    def __init__(self, spec: MhaSpec, buffers: list[Bo], batch: int, item_bytes: int):
+    def __init__(self, spec: MhaSpec, buffers: list[Bo]):
         self.key = spec.key
         self.spec = spec
-        self.batch = batch
         self.q, self.k, self.v, self.o = buffers
-        self.items = [[b.sub(i * item_bytes, item_bytes) for b in buffers] for i in range(batch)]
         self._units: dict[Any, tuple[tuple[Bo, ...], Any]] = {}
 
     def set_qkv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
-        """Pushes q, k, v (`[batch][heads][seq][d]`, bf16 bits or floats); returns bytes pushed.
+        """Pushes q, k, v (bf16 bits or floats, at most `elems` each, in the kernel's layout); returns bytes.
 
         Raises:
-            ValueError: a tensor of the wrong size.
+            ValueError: a tensor larger than the buffers.
             TypeError: a tensor neither bf16 bits nor floats.
             XdnaError: SYNC_BO failed.
         """
-        want = self.batch * self.spec.elems
         total = 0
         for name, src, bo in (("q", q, self.q), ("k", k, self.k), ("v", v, self.v)):
-            bits = _bf16_bits(src).reshape(-1)
-            if bits.size != want:
-                raise ValueError(f"{self.key}: {name} has {bits.size} elements, {want} expected")
+            bits = bf16_bits(src).reshape(-1)
+            if bits.size > self.spec.elems:
+                raise ValueError(f"{self.key}: {name} has {bits.size} elements, the kernel takes {self.spec.elems}")
             total += push(bits, bo)
         return total
 
-    def get_o(self) -> np.ndarray:
-        """o as bf16 bits, `[batch][heads][seq][d]`.
+    def get_o(self, count: int | None = None) -> np.ndarray:
+        """The first `count` (default `elems`) elements of o as bf16 bits.
 
         Raises:
+            ValueError: more than `elems`.
             XdnaError: SYNC_BO failed.
         """
-        s = self.spec
-        return pull(self.o, self.batch * s.elems).reshape(self.batch, s.heads, s.seq, s.d)
+        count = self.spec.elems if count is None else _integer(count, f"{self.key}: get_o count")
+        if not 0 <= count <= self.spec.elems:
+            raise ValueError(f"{self.key}: get_o({count}) outside o's {self.spec.elems} elements")
+        return pull(self.o, count)
 
 
 @dataclass
@@ -247,45 +255,25 @@ class Stage:
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
+    device_seconds: float = 0.0
     max_rel_err: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
-        """The stage as the demo's JSON object; `max_rel_err` is null when unchecked or not finite (a NaN
-        or infinite result: JSON has no such numbers)."""
+        """The stage as a JSON object; `max_rel_err` is null when unchecked or not finite."""
         err = self.max_rel_err
         return {"name": self.name, "kind": self.kind, "rows": self.rows, "chunks": self.chunks,
                 "exec_cmds": self.exec_cmds, "waits": self.waits, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "seconds": self.seconds,
-                "max_rel_err": err if err is None or math.isfinite(err) else None}
-
-
-@dataclass
-class _Source:
-    key: str
-    ctx: str
-    xclbin: Path
-    name: str
-    insts: bytes
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def device_generation(device: Device) -> str:
-    """The NPU generation name of `device` ("npu1", "npu4", "npu5", "npu6"), from `Device.generation`.
-
-    Raises:
-        NpuError: the generation cannot be determined (no readable or known PCI id).
-    """
-    gen = device.generation
-    if gen is None:
-        raise NpuError(f"{device.name}: cannot tell the NPU generation (PCI id under /sys/class/accel unreadable "
-                       "or not an amdxdna NPU)")
-    return gen
+                "bytes_out": self.bytes_out, "seconds": self.seconds, "device_seconds": self.device_seconds,
+                "host_seconds": max(self.seconds - self.device_seconds, 0.0),
+                "max_rel_err": err if err is None or math.isfinite(err) else None, **self.extra}
 
 
 def _max_contexts(value: int | None) -> int | None:
-    """The resident-context cap: `value`, else env SAM3_MAX_CONTEXTS, else None (as many as the driver grants)."""
+    """The resident-context cap: `value`, else env SAM3_MAX_CONTEXTS, else None (as many as the driver grants).
+
+    A cap below 1 is refused: the reference's pre-eviction loop could never make room and would spin.
+    """
     source = "max_contexts"
     if value is None:
         text = os.environ.get(ENV_MAX_CONTEXTS, "").strip()
@@ -294,13 +282,25 @@ def _max_contexts(value: int | None) -> int | None:
         source = ENV_MAX_CONTEXTS
         value = int(text) if text.isascii() and text.isdigit() else text  # isdigit alone takes "²"
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}={value!r}: expected a positive integer")
+        raise ValueError(f"{source}={value!r}: expected a positive integer (at least one resident context)")
     return value
 
 
+def _chains(value: bool | None) -> bool:
+    """Whether a stage's chunks go out as command chains: `value`, else env SAM3_CHAINS (0 or 1), else on."""
+    if value is not None:
+        return bool(value)
+    text = os.environ.get(ENV_CHAINS, "").strip()
+    if text in ("", "1"):
+        return True
+    if text == "0":
+        return False
+    raise ValueError(f"{ENV_CHAINS}={text!r}: expected 0 (one run at a time, as the reference) or 1 (chains)")
+
+
 def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Runs `method` holding the Npu's lock: loading, evicting and running share the context table and the LRU,
-    and an eviction must not destroy a context another thread is about to submit to or wait on (the seed's
+    """Runs `method` holding the Npu's lock: loading, evicting and running share the context table and the
+    LRU, and an eviction must not destroy a context another thread is about to submit to (the reference's
     `&mut self`)."""
     @functools.wraps(method)
     def locked(self: Npu, *args: Any, **kwargs: Any) -> Any:
@@ -309,60 +309,81 @@ def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
     return locked
 
 
-_Unit = Any  # a Run (one command) or a RunList (ERT_CMD_CHAIN packets over several)
+_Unit = Any  # a Run, a RunList (ERT_CMD_CHAIN packets over several), or a tuple of Runs (SAM3_CHAINS=0)
 _UnitCache = dict[Any, tuple[tuple[Bo, ...], _Unit]]
 
 
+def _unit_runs(unit: _Unit) -> Sequence[Run]:
+    if isinstance(unit, Run):
+        return (unit,)
+    if isinstance(unit, RunList):
+        return unit.runs
+    return unit
+
+
 def _release_unit(unit: _Unit) -> None:
-    """Closes a command unit's packets (a RunList's chains and runs). A submission still on the device keeps
-    its buffers: the driver's job holds references to them until it completes (spec amdxdna-uapi.md 4.7)."""
+    """Closes a command unit's packets. A submission still on the device keeps its buffers: the driver's job
+    holds references to them until it completes."""
     if isinstance(unit, RunList):
         unit.close()
-        for run in unit.runs:
-            run.close()
-    else:
-        unit.close()
+    for run in _unit_runs(unit):
+        run.close()
+
+
+@dataclass
+class _Resident:
+    """A loaded kernel: the context's kernel object and the stream generation its packets were built for."""
+
+    kernel: Any
+    ctx: HwContext
 
 
 class Npu:
-    """A bundle's kernels on a device (real or emulated), with resident-context LRU and eviction.
+    """A bundle's kernels on a device (real or emulated), with the resident-context LRU and eviction.
 
     Args:
-        bundle: a loaded `Bundle` or a bundle directory.
-        device: an open `Device`, or anything `open_device` accepts ("emu", "/dev/accel/accel0",
+        bundle: an open `Bundle` or a bundle directory.
+        device: an open `Device`, or anything `open_device` accepts ("emu", "emu:npu4", "/dev/accel/accel0",
             an EmuDevice, None for the default device); a device opened here is closed by `close`.
-        max_contexts: at most this many resident contexts (default: env `SAM3_MAX_CONTEXTS`, else as
-            many as the driver grants).
-        evict: "lru" drops least-recently-used contexts one at a time until a new one fits; "drain"
-            destroys every resident context before loading one that does not fit (the Phoenix
-            firmware workaround of spec/xrt-npu-sequence.md 1.9).
-        timeout: seconds to wait for a stage (None: forever).
+        max_contexts: at most this many resident contexts (default: env `SAM3_MAX_CONTEXTS`, else as many as
+            the driver grants). Below 1 is refused.
+        chains: submit a stage's chunks as command chains with one wait (default: env `SAM3_CHAINS`, else
+            on); off dispatches chunk by chunk, each waited for, as the reference does.
+        evict: "lru" drops least-recently-used contexts one at a time until a new one fits; "drain" destroys
+            every resident context before loading one that does not fit.
+        timeout: seconds a stage may take (default 10 s, the reference's; `math.inf` waits without bound).
 
     Raises:
-        BundleError: the bundle targets another NPU generation (or is invalid).
-        NpuError: a kernel failed to load for another reason than "no room", needs more AIE columns than the
-            device has, the device's generation is unknown, or (emulator) a stream is already bound to another
-            computation.
-        ValueError: bad `max_contexts` / `SAM3_MAX_CONTEXTS` / `evict` / `timeout`.
+        NpuError: a kernel failed to load for another reason than "no room", or needs more AIE columns than the
+            device has; (emulator) a stream is already bound to another computation.
+        BundleError: the bundle is invalid.
+        ValueError: bad `max_contexts` / `SAM3_MAX_CONTEXTS` / `SAM3_CHAINS` / `evict` / `timeout`.
         XdnaError: the device could not be opened.
     """
 
     def __init__(self, bundle: Bundle | str | os.PathLike, device: Any = None, *, max_contexts: int | None = None,
-                 evict: str = "lru", timeout: float | None = None):
+                 chains: bool | None = None, evict: str = "lru", timeout: float = DEFAULT_TIMEOUT):
         if evict not in EVICTION_POLICIES:
             raise ValueError(f"evict must be one of {EVICTION_POLICIES}, got {evict!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout >= 0):  # checked here: a stage's wait comes after its submit
-            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.load(bundle)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0 (math.inf: no bound), got {timeout!r}")
         self.cap = _max_contexts(max_contexts)
+        self.chains = _chains(chains)
         self.evict = evict
-        self.timeout = timeout
+        self.timeout: float | None = None if math.isinf(timeout) else float(timeout)
+        self._owns_bundle = not isinstance(bundle, Bundle)
+        self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
         self._owns_device = not isinstance(device, Device)
-        self.device = device if isinstance(device, Device) else open_device(device)
-        self._contexts: dict[str, HwContext] = {}
         self._closed = False
         self._lock = threading.RLock()
+        self._contexts: dict[str, HwContext] = {}
+        self._weights: dict[str, Bo] = {}
+        try:
+            self.device = device if isinstance(device, Device) else open_device(device)
+        except BaseException:
+            self._owns_device = False
+            self.close()
+            raise
         try:
             self._open()
         except BaseException:
@@ -370,33 +391,48 @@ class Npu:
             raise
 
     def _open(self) -> None:
-        self.generation = device_generation(self.device)
-        self.bundle.check_target(self.generation)
-        self._sources = {key: self._source(key) for key in self.bundle.keys()}
+        self._sources: dict[str, KernelSource] = {key: self.bundle.kernel(key) for key in self.bundle.kernel_keys()}
+        self._streams: dict[str, bytes] = {key: self.bundle.insts_bytes(key) for key in self._sources}
+        self._patches: dict[str, dict[int, int]] = {}
+        self._xclbins: dict[Path, Xclbin] = {}
         self._check_widths()
-        self._kernels: dict[str, Any] = {}
+        self._kernels: dict[str, _Resident] = {}
         self._arg_units: _UnitCache = {}
         self._lru: list[str] = []  # resident contexts, least recently used first
         self.loads = 0
         self.evictions = 0
         self.stages: list[Stage] = []
+        # Seconds from each submission to its completion, in all and by kernel key (the "npu" part of a timing).
+        self.device_seconds = 0.0
+        self.kernel_seconds: Counter[str] = Counter()
         if self.device.emulator is not None:
-            self._bind_models()
+            from sam3 import kernels
+
+            try:
+                kernels.bind_bundle(self.bundle, self.device.emulator.models)
+            except ValueError as e:
+                raise NpuError(f"binding the emulator's kernel models: {e}") from e
         self._preload()
+
+    def _xclbin(self, key: str) -> Xclbin:
+        path = self._sources[key].xclbin
+        if path not in self._xclbins:
+            try:
+                # Read through the bundle: its files are opened relative to its directory, never through a link out.
+                self._xclbins[path] = Xclbin.load(self.bundle.file_bytes(path))
+            except (OSError, ValueError) as e:
+                raise NpuError(f"{key}: xclbin {path}: {e}", key) from e
+        return self._xclbins[path]
 
     def _check_widths(self) -> None:
         """A context wider than the array can never load: CREATE_HWCTX would refuse it the way it refuses a full
-        device, and loading it would evict every resident context first ("no room" is the driver's answer)."""
+        device, and loading it would evict every resident context first."""
         cols = self.device.aie_metadata().cols
-        for key in self.bundle.keys():
-            partition = self.bundle.xclbin(key).partition
+        for key in self._sources:
+            partition = self._xclbin(key).partition
             if partition is not None and partition.column_width > cols:
-                raise NpuError(f"{key}: {self._sources[key].ctx} needs {partition.column_width} AIE columns, the "
-                               f"device has {cols}", key)
-
-    def _source(self, key: str) -> _Source:
-        k = self.bundle.kernel(key)
-        return _Source(key, k.ctx, k.xclbin, k.name, k.insts.read_bytes())
+                raise NpuError(f"{key}: {self._sources[key].xclbin.name} needs {partition.column_width} AIE "
+                               f"columns, the device has {cols}", key)
 
     @property
     def gemms(self) -> dict[str, GemmSpec]:
@@ -410,35 +446,13 @@ class Npu:
 
     @property
     def ops(self) -> dict[str, OpSpec]:
-        """The bundle's element-wise kernels by key."""
+        """The bundle's other kernels (rope, addln) by key."""
         return self.bundle.ops
 
-    # -- emulator models (spec/sam3-bundle.md 8) ----------------------------------------------
-
-    def _bind_models(self) -> None:
-        """Tells the emulated firmware what each instruction stream computes, from its manifest entry."""
-        from amdxdna_direct.emu.models import Elementwise, Gemm, Mha
-
-        registry = self.device.emulator.models
-        for key, src in self._sources.items():
-            if key in self.gemms:
-                g = self.gemms[key]
-                model = Gemm(g.m, g.k, g.n, g.lda, g.b_layout)
-            elif key in self.mhas:
-                h = self.mhas[key]
-                model = Mha(h.heads, h.seq, h.d)
-            else:
-                o = self.ops[key]
-                model = Elementwise(o.fn, o.elems, n=o.n)
-            try:  # an equal model already bound (same stream of another key, or another Npu) is a no-op
-                registry.bind(src.insts, model)
-            except ValueError as e:
-                raise NpuError(f"{key}: its instruction stream is bound to another computation: {e}", key) from e
-
-    # -- contexts (the seed's open / kernel / try_load / evict_lru, spec 7) --------------------
+    # -- contexts (the reference's open / kernel / try_load / evict_lru) ------------------------
 
     def _preload(self) -> None:
-        for key in self.bundle.keys():
+        for key in self._sources:  # kernel_keys() is sorted by name, as the reference loads them
             if self._full(self._sources[key].ctx):
                 break
             try:
@@ -455,17 +469,18 @@ class Npu:
     def _try_load(self, key: str) -> None:
         src = self._sources[key]
         if src.ctx not in self._contexts:
-            self._contexts[src.ctx] = self.device.hw_context(self.bundle.xclbin(key), kernel=src.name)
+            self._contexts[src.ctx] = self.device.hw_context(self._xclbin(key), kernel=src.name)
             self._lru.append(src.ctx)
             self.loads += 1
-        self._kernels[key] = self._contexts[src.ctx].kernel(src.name)
+        context = self._contexts[src.ctx]
+        self._kernels[key] = _Resident(context.kernel(src.name), context)
 
     def _check_open(self, key: str | None) -> None:
         """After `close` nothing may load a context (it would outlive the Npu) or allocate on its device."""
         if self._closed:
             raise NpuError(f"{key or 'Npu'}: the Npu is closed", key)
 
-    def _kernel(self, key: str) -> tuple[Any, _Source]:
+    def _kernel(self, key: str) -> _Resident:
         """Kernel `key`, loaded if not resident (evicting while the device has no room); marks it used."""
         self._check_open(key)
         src = self._sources.get(key) if isinstance(key, str) else None
@@ -477,9 +492,9 @@ class Npu:
             self._load_evicting(key, src)
         self._lru.remove(src.ctx)
         self._lru.append(src.ctx)
-        return self._kernels[key], src
+        return self._kernels[key]
 
-    def _load_evicting(self, key: str, src: _Source) -> None:
+    def _load_evicting(self, key: str, src: KernelSource) -> None:
         while True:
             try:
                 self._try_load(key)
@@ -506,15 +521,67 @@ class Npu:
     def _release_context(self, ctx: str) -> None:
         """Destroys context `ctx` (closing it closes the Runs and RunLists built on it) and forgets its kernels."""
         context = self._contexts.pop(ctx)
-        for key in [k for k in self._kernels if self._sources[k].ctx == ctx]:
+        for key in [k for k, r in self._kernels.items() if r.ctx is context]:
             del self._kernels[key]
-        self._arg_units = {k: v for k, v in self._arg_units.items() if v[1].ctx is not context}
+        self._arg_units = {k: v for k, v in self._arg_units.items() if _unit_runs(v[1])[0].kernel.ctx is not context}
         context.close()
 
     @property
     def resident(self) -> list[str]:
-        """Resident contexts (xclbin paths), least recently used first."""
+        """Resident contexts (their ctx ids), least recently used first."""
         return list(self._lru)
+
+    # -- instruction streams (0.1.4's patch_insts / insts) --------------------------------------
+
+    def insts(self, key: str) -> np.ndarray:
+        """Kernel `key`'s instruction stream as little-endian u32 words, as the bundle's file holds it.
+
+        Raises:
+            NpuError: no such kernel.
+        """
+        self._check_open(key)
+        if not isinstance(key, str) or key not in self._sources:
+            raise NpuError(f"no kernel {key!r} in bundle {self.bundle.root}", key)
+        return np.frombuffer(self.bundle.insts_bytes(key), dtype="<u4").copy()
+
+    @_exclusive
+    def patch_insts(self, key: str, words: Sequence[tuple[int, int]]) -> None:
+        """Rewrites instruction words `(index, value)` of kernel `key`, now and after every reload.
+
+        The words are recorded, so a context evicted and loaded again runs the patched stream too. The next
+        run of `key` uses them (its command packets are rebuilt over the patched instruction buffer).
+
+        Raises:
+            NpuError: no such kernel, or the Npu is closed.
+            TypeError: a word that is not an (int, int) pair.
+            ValueError: an index outside the stream or a value outside u32.
+        """
+        self._check_open(key)
+        if not isinstance(key, str) or key not in self._sources:
+            raise NpuError(f"no kernel {key!r} in bundle {self.bundle.root}", key)
+        count = len(self.bundle.insts_bytes(key)) // 4
+        patch = dict(self._patches.get(key, {}))
+        for item in words:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"{key}: patch_insts takes (word index, value) pairs, got {item!r}")
+            index, value = _integer(item[0], f"{key}: word index"), _integer(item[1], f"{key}: word value")
+            if not 0 <= index < count:
+                raise ValueError(f"{key}: word index {index} outside the stream's {count} words")
+            if not 0 <= value <= U32_MAX:
+                raise ValueError(f"{key}: word {index} value {value:#x} is not a u32")
+            patch[index] = value
+        stream = np.frombuffer(self.bundle.insts_bytes(key), dtype="<u4").copy()
+        stream[list(patch)] = list(patch.values())
+        data = stream.astype("<u4").tobytes()
+        if self.device.emulator is not None:
+            from sam3 import kernels
+
+            try:
+                kernels.bind_stream(self.device.emulator.models, key, data, self.bundle)
+            except ValueError as e:
+                raise NpuError(f"{key}: binding the patched stream's model: {e}", key) from e
+        self._patches[key] = patch
+        self._streams[key] = data
 
     # -- buffers -----------------------------------------------------------------------------
 
@@ -538,17 +605,37 @@ class Npu:
             XdnaError: allocation or sync failed.
         """
         self._check_open(None)
-        if isinstance(data, str):  # most likely a weights file's path: its text is not the weights
+        if isinstance(data, str):
             raise TypeError(f"upload: expected bytes or a numeric array, got str {data[:80]!r} (read the file first)")
-        arr = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else np.asarray(data)
+        arr = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else np.asarray(data)
+        if arr.dtype.hasobject:
+            raise TypeError(f"upload: expected numeric data, got an array of {arr.dtype}")
         if arr.nbytes == 0:
-            raise ValueError("upload: no data")
+            raise ValueError("upload: no data (a buffer must hold at least one byte)")
         bo = self.device.bo(arr.nbytes)
-        push(arr, bo)
+        try:
+            push(arr, bo)
+        except BaseException:
+            bo.close()
+            raise
+        return bo
+
+    @_exclusive
+    def weights(self, name: str) -> Bo:
+        """The bundle tensor `name` (a packed B, a RoPE table) in a device buffer, uploaded on first use.
+
+        Raises:
+            BundleError: no such tensor.
+            XdnaError: allocation or sync failed.
+        """
+        self._check_open(name)
+        bo = self._weights.get(name)
+        if bo is None or bo.closed:
+            bo = self._weights[name] = self.upload(self.bundle.tensors.raw(name))
         return bo
 
     def weight_slot(self, key: str) -> Bo:
-        """A buffer sized for GEMM `key`'s packed B, to be filled per forward.
+        """A weight buffer sized for GEMM `key`'s packed B (`b_bytes`), to be filled per prompt or forward.
 
         Raises:
             NpuError: no such GEMM.
@@ -556,49 +643,41 @@ class Npu:
         """
         return self.device.bo(self.spec(key).b_bytes)
 
-    def _operands(self, g: GemmSpec, a: Bo, rows: int, a_step: int, chained_from: str | None = None) -> Io:
-        """An Io of `rows` rows over A and a new C: chunk `i` views `(m-1)*lda + k` elements of A from element
-        `i*a_step` (`m*k` for a plain GEMM) and the `m` rows of C from row `i*m` (spec 2, 4)."""
-        a_bytes = ((g.m - 1) * g.lda + g.k) * BF16_BYTES
-        c_step = g.m * g.n * BF16_BYTES
-        c = self.device.bo(rows * g.n * BF16_BYTES)
-        try:
-            chunks = [(a.sub(i * a_step * BF16_BYTES, a_bytes), c.sub(i * c_step, c_step))
-                      for i in range(rows // g.m)]
-        except ValueError as e:  # a view the shim DMA cannot address (not word aligned)
-            raise NpuError(f"{g.key}: chunk views of A/C: {e}", g.key) from e
-        return Io(g, a, c, chunks, rows, chained_from)
-
     def io(self, key: str, rows: int) -> Io:
-        """Operands of GEMM `key` for `rows` rows (plain row-major A, `lda == k`), padded to a multiple of m.
+        """Operands of GEMM `key` for `rows` rows (plain row-major A, `lda == K`), padded to a multiple of m.
 
         Raises:
-            NpuError: `key` is a convolution GEMM (use `conv_io`) or unknown, or the Npu is closed.
-            TypeError: `rows` is not an integer.
-            ValueError: `rows` is not positive.
+            NpuError: `key` has an overlapping A (`lda < K`: use `conv_io`), or the Npu is closed.
+            TypeError: `rows` not an integer.
+            ValueError: `rows` not positive.
             XdnaError: allocation failed.
         """
         g = self.spec(key)
         if g.lda != g.k:
-            raise NpuError(f"{key}: overlapping A (lda {g.lda} != k {g.k}), use conv_io", key)
+            raise NpuError(f"{key}: overlapping A (lda {g.lda} < K {g.k}), use conv_io", key)
         rows = _integer(rows, f"{key}: rows")
         if rows <= 0:
             raise ValueError(f"{key}: rows must be positive, got {rows}")
         rows = round_up(rows, g.m)
-        return self._operands(g, self.device.bo(rows * g.k * BF16_BYTES), rows, g.m * g.k)
+        a = self.device.bo(rows * g.k * BF16_BYTES)
+        try:
+            return self._operands(g, a, rows, g.m * g.k)
+        except BaseException:
+            a.close()
+            raise
 
     def io_chained(self, key: str, src: Io) -> Io:
-        """Operands of GEMM `key` whose A is `src`'s C, read in place (spec 3).
+        """Operands of GEMM `key` whose A is `src`'s C, read in place (never written or synced by the host).
 
         Raises:
-            NpuError: `src.n != k`, `key` is a convolution GEMM, or `src`'s rows are not a multiple of `key`'s m.
+            NpuError: `src.n != K`, `key` has an overlapping A, or `src`'s rows are not a multiple of m.
             TypeError: `src` is not an Io.
             XdnaError: allocation failed.
         """
         g = self.spec(key)
         self._operand(key, src, Io, "io_chained source")
         if g.lda != g.k:
-            raise NpuError(f"{key}: overlapping A (lda {g.lda} != k {g.k}) cannot read {src.key}'s C in place", key)
+            raise NpuError(f"{key}: overlapping A (lda {g.lda} < K {g.k}) cannot read {src.key}'s C in place", key)
         if src.n != g.k:
             raise NpuError(f"{key}: A width {src.n} (C of {src.key}) != K {g.k}", key)
         if src.rows % g.m:
@@ -606,99 +685,90 @@ class Npu:
         return self._operands(g, src.c.sub(0, src.rows * g.k * BF16_BYTES), src.rows, g.m * g.k, src.key)
 
     def conv_io(self, key: str, h: int, w: int) -> Io:
-        """Operands of the overlapping-row 3x3 convolution `key` for an `h x w` map (spec 4).
+        """Operands of the overlapping-row 3x3 convolution `key` for an `h x w` map (docs/sam3-packing.md).
 
-        A is Y (`(rows*P + 2) x D`); each chunk's A view starts `i*m*lda` elements in and reaches
+        A is Y (`(rows*P + 2) x D` bf16); chunk i's A view starts `i*m*lda` elements in and reaches
         `(m-1)*lda + K` elements.
 
         Raises:
-            NpuError: `key` is not a conv3x3 GEMM, or the Npu is closed.
+            NpuError: `key` is not an overlapping-A GEMM, or the Npu is closed.
             TypeError: `h` or `w` not an integer.
-            ValueError: `h` or `w` not positive.
+            ValueError: `h` or `w` not positive, or the GEMM's shape is not a 3x3 convolution's.
             XdnaError: allocation failed.
         """
         g = self.spec(key)
-        geom = g.conv
-        if geom is None:
-            raise NpuError(f"{key}: b_layout {g.b_layout} is not a 3x3 convolution, use io", key)
+        if g.lda >= g.k:
+            raise NpuError(f"{key}: lda {g.lda} >= K {g.k} is not an overlapping-row convolution, use io", key)
+        geom = ConvGeometry.of(g.k, g.lda, g.n)
         h, w = _integer(h, f"{key}: map height"), _integer(w, f"{key}: map width")
         if h <= 0 or w <= 0:
             raise ValueError(f"{key}: map size {h}x{w} must be positive")
         rows = geom.rows(h, w, g.m)
-        return self._operands(g, self.device.bo(geom.y_elems(rows) * BF16_BYTES), rows, g.m * g.lda)
+        a = self.device.bo(geom.y_elems(rows) * BF16_BYTES)
+        try:
+            io = self._operands(g, a, rows, g.m * g.lda)
+        except BaseException:
+            a.close()
+            raise
+        io.conv = geom
+        return io
 
-    def conv_geometry(self, key: str) -> ConvGeometry:
-        """D, P, Cout of conv GEMM `key`.
+    def _operands(self, g: GemmSpec, a: Bo, rows: int, a_step: int, chained_from: str | None = None) -> Io:
+        """C for `rows` rows and the per-chunk (A, C) views; chunk i's A view starts `i * a_step` elements in."""
+        a_extent = ((g.m - 1) * g.lda + g.k) * BF16_BYTES
+        c_chunk = g.m * g.n * BF16_BYTES
+        c = self.device.bo(rows * g.n * BF16_BYTES)
+        chunks = [(a.sub(i * a_step * BF16_BYTES, a_extent), c.sub(i * c_chunk, c_chunk)) for i in range(rows // g.m)]
+        return Io(g, a, c, chunks, rows, chained_from)
 
-        Raises:
-            NpuError: not a conv GEMM.
-        """
-        geom = self.spec(key).conv
-        if geom is None:
-            raise NpuError(f"{key}: not a 3x3 convolution GEMM", key)
-        return geom
-
-    def mha_io(self, key: str, batch: int = 1) -> MhaIo:
-        """q, k, v, o buffers of attention `key` for `batch` independent items (windows).
+    def mha_io(self, key: str) -> MhaIo:
+        """q, k, v, o buffers (`elems` bf16 each) of attention kernel `key`.
 
         Raises:
             NpuError: no such attention kernel, or the Npu is closed.
-            TypeError: `batch` not an integer.
-            ValueError: `batch` not positive.
             XdnaError: allocation failed.
         """
         self._check_open(key)
         if not isinstance(key, str) or key not in self.mhas:
             raise NpuError(f"no MHA {key!r} in bundle {self.bundle.root}", key)
-        batch = _integer(batch, f"{key}: batch")
-        if batch <= 0:
-            raise ValueError(f"{key}: batch must be positive, got {batch}")
-        item = self.mhas[key].elems * BF16_BYTES
-        return MhaIo(self.mhas[key], [self.device.bo(batch * item) for _ in range(4)], batch, item)
+        nbytes = self.mhas[key].elems * BF16_BYTES
+        buffers: list[Bo] = []
+        try:
+            for _ in range(4):
+                buffers.append(self.device.bo(nbytes))
+        except BaseException:
+            release_steps(*(b.close for b in buffers))
+            raise
+        return MhaIo(self.mhas[key], buffers)
 
-    def push(self, src: np.ndarray, bo: Bo, offset: int = 0) -> int:
-        """The module-level `push` (the seed's `push`, kept as a method for callers holding an `Npu`).
-
-        Raises:
-            ValueError: `src` does not fit.
-            XdnaError: SYNC_BO failed.
-        """
-        return push(src, bo, offset)
-
-    def pull(self, bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndarray:
-        """The module-level `pull`.
-
-        Raises:
-            ValueError: the range is outside the buffer.
-            XdnaError: SYNC_BO failed.
-        """
-        return pull(bo, count, dtype, offset)
-
-    # -- command units (built once per operand set and context, spec 7 and the issue's "better") --
+    # -- command units (built once per operand set, context and stream) -------------------------
 
     def _unit(self, key: str, cache: _UnitCache, ident: Any, pins: tuple[Bo, ...],
-              make: Callable[[Any, bytes], list[Any]]) -> _Unit:
-        """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident,
-        else built (one Run, or a RunList for several). `ident` names the `pins` by id: an entry keeps its
-        pinned buffers alive, so no other buffer can take their ids while it is cached."""
-        kernel, src = self._kernel(key)
+              make: Callable[[Any, bytes], list[Run]]) -> _Unit:
+        """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident and
+        its stream unpatched since, else built (one Run, a RunList for several, or a tuple of Runs when chains
+        are off). An entry keeps its pinned buffers alive, so no other buffer can take their ids meanwhile."""
+        resident = self._kernel(key)
+        stream = self._streams[key]
         entry = cache.pop(ident, None)
-        if entry is not None and entry[1].ctx is kernel.ctx:
-            cache[ident] = entry  # most recently used last
-            return entry[1]
+        if entry is not None:
+            runs = _unit_runs(entry[1])
+            if runs[0].kernel is resident.kernel and entry[0][-1] is stream:
+                cache[ident] = entry  # most recently used last
+                return entry[1]
+            _release_unit(entry[1])
         try:
-            runs = make(kernel, src.insts)
-            unit = runs[0] if len(runs) == 1 else RunList(kernel.ctx, runs)
+            runs = make(resident.kernel, stream)
+            if len(runs) == 1:
+                unit: _Unit = runs[0]
+            else:
+                unit = RunList(resident.ctx, runs) if self.chains else tuple(runs)
         except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or too many buffers
             raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
-        cache[ident] = (pins, unit)
-        # A unit pins its buffers and holds command BOs: a caller that runs fresh buffers every forward (new
-        # weights for one Io, a new Io's C for an op) would otherwise keep every one of them alive.
+        cache[ident] = ((*pins, stream), unit)  # type: ignore[arg-type]
         while len(cache) > UNIT_CACHE:
             _release_unit(cache.pop(next(iter(cache)))[1])
         return unit
-
-    # -- operand checks (before any ioctl: a wrong buffer would otherwise surface as a device fault) -----
 
     def _operand(self, key: str | None, obj: Any, cls: type, what: str) -> None:
         """`obj` must be a `cls` (Io or MhaIo) made on this Npu's device."""
@@ -712,42 +782,35 @@ class Npu:
         if bo.device is not self.device:
             raise ValueError(f"{key}: {what} belongs to device {bo.device.name}, not this Npu's {self.device.name}")
 
-    def _weights(self, g: GemmSpec, w: Any) -> None:
-        """`w` must hold exactly GEMM `g`'s packed B (the kernel reads `b_bytes`; a wrong-sized buffer is
-        another kernel's weights, or too short for the device to read)."""
+    def _check_weights(self, g: GemmSpec, w: Any) -> None:
+        """`w` must hold at least GEMM `g`'s packed B (the kernel reads `b_bytes`). A longer buffer is accepted,
+        as the reference uploads a tensor's bytes whatever their length; a shorter one would fault the DMA."""
         self._own_bo(g.key, w, "weights")
-        if w.size != g.b_bytes:
-            raise ValueError(f"{g.key}: weights of {w.size} bytes, B takes b_bytes={g.b_bytes} ({g.b_layout})")
-
-    def _arg_bytes(self, key: str, count: int) -> list[tuple[str, int]]:
-        """(name, bytes the kernel reads) of each of `count` `run_args` buffers of kernel `key` (spec 2, 5, 6)."""
-        if key in self.gemms:
-            g = self.gemms[key]
-            need = [("A", ((g.m - 1) * g.lda + g.k) * BF16_BYTES), ("B", g.b_bytes), ("C", g.m * g.n * BF16_BYTES)]
-        elif key in self.mhas:
-            need = [(name, self.mhas[key].elems * BF16_BYTES) for name in ("q", "k", "v", "o")]
-        else:
-            need = [(f"argument {i}", self.ops[key].elems * BF16_BYTES) for i in range(max(count, 1))]
-        if count != len(need):
-            raise ValueError(f"{key}: run_args takes {len(need)} buffer(s) ({', '.join(n for n, _ in need)}), "
-                             f"got {count}")
-        return need
+        if w.size < g.b_bytes:
+            raise ValueError(f"{g.key}: weights of {w.size} bytes, the kernel reads b_bytes={g.b_bytes}")
 
     def _check_args(self, key: str, args: tuple[Any, ...]) -> None:
-        for (name, nbytes), bo in zip(self._arg_bytes(key, len(args)), args, strict=True):
-            self._own_bo(key, bo, name)
-            if not bo.closed and bo.size < nbytes:  # a closed buffer is reported by Kernel.prepare_npu
-                raise ValueError(f"{key}: {name} has {bo.size} bytes, the kernel reads {nbytes}")
+        if key in self.gemms:
+            want = 3
+        elif key in self.mhas:
+            want = 4
+        else:
+            want = len(args)
+        if len(args) != want or not 1 <= len(args) <= 5:
+            raise ValueError(f"{key}: run_args takes {want} buffer(s) in the kernel's argument order (at most 5), "
+                             f"got {len(args)}")
+        for i, bo in enumerate(args):
+            self._own_bo(key, bo, f"argument {i}")
 
     def _gemm_unit(self, io: Io, w: Bo) -> _Unit:
         self._operand(getattr(io, "key", None), io, Io, "operands")
-        self._weights(io.spec, w)
+        self._check_weights(io.spec, w)
         return self._unit(io.key, io._units, id(w), (w,),
                           lambda k, insts: [k.prepare_npu(insts, [a, w, c]) for a, c in io.chunks])
 
     def _mha_unit(self, m: MhaIo) -> _Unit:
         self._operand(getattr(m, "key", None), m, MhaIo, "attention operands")
-        return self._unit(m.key, m._units, None, (), lambda k, insts: [k.prepare_npu(insts, it) for it in m.items])
+        return self._unit(m.key, m._units, None, (), lambda k, insts: [k.prepare_npu(insts, [m.q, m.k, m.v, m.o])])
 
     def _args_unit(self, key: str, args: Sequence[Bo]) -> _Unit:
         pins = tuple(args)
@@ -759,31 +822,13 @@ class Npu:
 
     @_exclusive
     def prepare(self, io: Io, w: Bo) -> None:
-        """Loads `io`'s kernel and builds its command unit for weights `w` ahead of `run` (uploads the
-        instruction stream once per context, so a measured stage moves only its data).
+        """Loads `io`'s kernel and builds its command unit for weights `w` ahead of `run` (so a measured stage
+        moves only its data).
 
         Raises:
             NpuError: loading or building the commands failed.
         """
         self._gemm_unit(io, w)
-
-    @_exclusive
-    def prepare_mha(self, m: MhaIo) -> None:
-        """`prepare` for an attention operand set.
-
-        Raises:
-            NpuError: loading or building the commands failed.
-        """
-        self._mha_unit(m)
-
-    @_exclusive
-    def prepare_args(self, key: str, args: Sequence[Bo]) -> None:
-        """`prepare` for `run_args`.
-
-        Raises:
-            NpuError: loading or building the command failed.
-        """
-        self._args_unit(key, args)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -793,16 +838,15 @@ class Npu:
 
         Raises:
             TypeError: `io` is not an Io or `w` not a Bo.
-            ValueError: `w` is not `b_bytes` long, or a buffer belongs to another device.
+            ValueError: `w` is shorter than `b_bytes`, or a buffer belongs to another device.
             NpuError: the Npu is closed, loading failed or a chunk failed (naming the key and the chunk index).
         """
-        unit = self._gemm_unit(io, w)
-        return self._execute(io.key, unit, len(io.chunks))
+        return self._execute(io.key, self._gemm_unit(io, w), len(io.chunks))
 
     @_exclusive
     def run_synced(self, io: Io, w: Bo) -> float:
-        """`run` with A synced first, unless A is another kernel's output (a sync would push the host's
-        stale copy over it, spec 3).
+        """`run` with A synced first, unless A is another kernel's output (a sync would push the host's stale
+        copy over it).
 
         Raises:
             NpuError: as `run`, or syncing A failed.
@@ -817,47 +861,51 @@ class Npu:
 
     @_exclusive
     def run_args(self, key: str, args: Sequence[Bo]) -> float:
-        """Runs kernel `key` once over `args` (its argument order), none synced; returns seconds.
+        """Runs kernel `key` once over `args` (its argument order), none synced: for kernels over
+        device-produced buffers (rope, addln, the device ViT's attention); returns seconds.
 
         Raises:
             TypeError: an argument is not a Bo.
-            ValueError: the wrong number of buffers for a GEMM (A, B, C) or attention (q, k, v, o) kernel, none
-                for an op, a buffer smaller than the kernel reads, or one of another device.
+            ValueError: the wrong number of buffers (GEMM: A, B, C; attention: q, k, v, o; at most 5), or one of
+                another device.
             NpuError: the Npu is closed, loading or the run failed.
         """
         return self._execute(key, self._args_unit(key, args), 1)
 
     @_exclusive
     def run_mha(self, m: MhaIo) -> float:
-        """Runs attention over q/k/v already pushed, every batch item in one chain; returns seconds.
+        """Runs attention over q/k/v already pushed; returns seconds.
 
         Raises:
             TypeError: `m` is not an MhaIo.
-            NpuError: the Npu is closed, loading or a run failed (naming the item as the chunk).
+            NpuError: the Npu is closed, loading or the run failed.
         """
-        unit = self._mha_unit(m)
-        return self._execute(m.key, unit, m.batch)
+        return self._execute(m.key, self._mha_unit(m), 1)
 
     def _execute(self, key: str, unit: _Unit, chunks: int) -> float:
-        """Submits a stage's command unit (a Run, or a RunList: one EXEC_CMD per chain packet) and waits once."""
+        """Submits a stage's command unit and waits: a Run or RunList once; runs one by one with chains off."""
         start = time.perf_counter()
-        try:
-            self._submit(key, unit, chunks)
-        except errors.XdnaError as e:
-            raise NpuError(f"{key}: submitting {chunks} chunk(s) failed: {e}", key) from e
-        try:
-            unit.wait(self.timeout)
-        except errors.CommandError as e:
-            chunk = e.index or 0
-            raise NpuError(f"{key}: chunk {chunk} of {chunks} failed: {e}", key, chunk) from e
-        except errors.XdnaError as e:
-            raise NpuError(f"{key}: waiting for {chunks} chunk(s) failed: {e}", key) from e
-        return time.perf_counter() - start
+        parts = (unit,) if isinstance(unit, (Run, RunList)) else unit
+        for i, part in enumerate(parts):
+            try:
+                self._submit(key, part, chunks)
+            except errors.XdnaError as e:
+                raise NpuError(f"{key}: submitting {chunks} chunk(s) failed: {e}", key) from e
+            try:
+                part.wait(self.timeout)
+            except errors.CommandError as e:
+                chunk = i if len(parts) > 1 else (e.index or 0)
+                raise NpuError(f"{key}: chunk {chunk} of {chunks} failed: {e}", key, chunk) from e
+            except errors.XdnaError as e:
+                raise NpuError(f"{key}: waiting for {chunks} chunk(s) failed: {e}", key) from e
+        elapsed = time.perf_counter() - start
+        self.device_seconds += elapsed
+        self.kernel_seconds[key] += elapsed
+        return elapsed
 
-    def _submit(self, key: str, unit: _Unit, chunks: int) -> None:
+    def _submit(self, key: str, unit: Run | RunList, chunks: int) -> None:
         """`unit.start()`; when the unit's last submission timed out it is still on the device (start refuses
-        with RuntimeError): wait for it first, bounded by `timeout`. Its outcome was that stage's (reported
-        as a timeout then), so only whether it is still running matters here."""
+        with RuntimeError): wait for it first, bounded by `timeout`."""
         try:
             unit.start()
             return
@@ -877,17 +925,18 @@ class Npu:
 
     @contextmanager
     def stage(self, name: str, kind: str, rows: int = 0, chunks: int = 0) -> Iterator[Stage]:
-        """Measures what the body costs into a `Stage`, appended to `stages` when the body ends without
-        error: EXEC_CMD ioctls, wait ioctls (SYNCOBJ_TIMELINE_WAIT or WAIT_CMD), bytes copied into and
-        out of buffers (all deltas of `Device.stats`) and wall time."""
+        """Measures what the body costs into a `Stage`, appended to `stages` when the body ends without error:
+        EXEC_CMD ioctls, waits, bytes copied into and out of buffers (deltas of `Device.stats`), wall time and the
+        part of it spent from submissions to their completions (`device_seconds`; the rest is the host's)."""
         record = Stage(name, kind, rows, chunks)
-        before, start = Counter(self.device.stats), time.perf_counter()
+        before, start, device = Counter(self.device.stats), time.perf_counter(), self.device_seconds
         yield record
         delta = Counter(self.device.stats)
         delta.subtract(before)
         record.seconds = time.perf_counter() - start
+        record.device_seconds = self.device_seconds - device
         record.exec_cmds = delta["EXEC_CMD"]
-        record.waits = sum(delta[name] for name in WAIT_IOCTLS)
+        record.waits = sum(delta[w] for w in WAIT_IOCTLS)
         record.bytes_in = delta["bytes_in"]
         record.bytes_out = delta["bytes_out"]
         self.stages.append(record)
@@ -896,17 +945,21 @@ class Npu:
 
     @_exclusive
     def close(self) -> None:
-        """Destroys the resident contexts (with their command packets) and, if this object opened the device,
-        closes it. Idempotent.
+        """Destroys the resident contexts (with their command packets), frees the uploaded weights and, if this
+        object opened them, closes the device and the bundle. Idempotent.
 
         Raises:
             XdnaError: a release ioctl failed (everything else was still released).
         """
         self._closed = True
-        steps = [lambda ctx=ctx: self._release_context(ctx) for ctx in list(self._contexts)]
+        steps: list[Callable[[], None]] = [lambda c=ctx: self._release_context(c) for ctx in list(self._contexts)]
+        steps += [bo.close for bo in self._weights.values()]
+        self._weights = {}
         self._lru = []
-        if self._owns_device:
+        if self._owns_device and hasattr(self, "device"):
             steps.append(self.device.close)
+        if self._owns_bundle and hasattr(self, "bundle"):
+            steps.append(self.bundle.close)
         release_steps(*steps)
 
     def __enter__(self) -> Npu:

@@ -21,7 +21,7 @@ def _python_blocks() -> list[str]:
 def test_readme_opens_with_install_and_test_commands():
     first_block = re.search(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S).group(1)
     commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
-    assert commands == ["pip install . && sam3-npu demo", "pip install -e '.[test]' && python -m pytest -q"]
+    assert commands == ["pip install '.[sam3]' && sam3 demo", "pip install -e '.[test]' && python -m pytest -q"]
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
 
 

@@ -1,9 +1,11 @@
-"""sam3.npu.Npu on the emulator: chunked GEMMs in command chains, chained operands, the conv and attention
-paths against numpy, the context LRU (cap, driver "no room", drain), fault reporting per chunk."""
+"""sam3.npu.Npu on the emulator: chunked GEMMs (chained and chunk by chunk), A read in place, conv views, both
+attention layouts, the context LRU under a cap and under the driver's "no room", patch_insts surviving an
+eviction, failures named by key and chunk. Oracles: numpy over weights the tests make (or decode)."""
 
 from __future__ import annotations
 
 import errno
+import math
 from contextlib import contextmanager
 
 import numpy as np
@@ -12,32 +14,32 @@ import pytest
 from amdxdna_direct import cmd, errors
 from amdxdna_direct.device import open_device
 from amdxdna_direct.emu import DeviceFault, EmuDevice
-from amdxdna_direct.emu.models import Gemm, stream_digest
-from sam3 import pack, reference
+from amdxdna_direct.emu.models import stream_digest
+from sam3 import kernels, pack
 from sam3.build import build
-from sam3.bundle import Bundle, BundleError
+from sam3.bundle import Bundle
 from sam3.npu import Npu, NpuError
 
-TOL = 1e-2  # bf16 output rounding (2^-9 of a value) plus accumulation order, relative to max|reference|
-# Runs per ERT_CMD_CHAIN packet: the driver's 4 KiB command list over slots of 52 + 4 * 15 bytes (the largest
-# slot header and the 15-word mlir-aie regmap: spec amdxdna-uapi.md 6.5, xrt-npu-sequence.md 1.7 and 2.2),
-# at most the runtime's sub-command cap.
+# Runs per ERT_CMD_CHAIN packet: the driver's 4 KiB command list over slots of 52 + 4 * 15 bytes (the largest slot
+# header and the 15-word mlir-aie regmap), at most the runtime's sub-command cap (docs/design.md 4).
 CHAIN_CAPACITY = min(cmd.CHAIN_MAX_RUNS, 4096 // (52 + 4 * 15))
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Bundle:
-    return Bundle.load(build(tmp_path_factory.mktemp("bundle") / "tiny", "tiny"))
+def host(tmp_path_factory) -> Bundle:
+    bundle = Bundle.open(build(tmp_path_factory.mktemp("b") / "host", "tiny", variant="host"))
+    yield bundle
+    bundle.close()
 
 
 @pytest.fixture()
-def npu(tiny):
-    with Npu(tiny, "emu") as n:
+def npu(host):
+    with Npu(host, "emu:npu4") as n:
         yield n
 
 
 @contextmanager
-def _emulated(**options):
+def emulated(**options):
     """An emulated NPU4 (for fault injection) and a Device on it, both closed after."""
     emu = EmuDevice("npu4", **options)
     try:
@@ -50,186 +52,243 @@ def _emulated(**options):
         emu.close()
 
 
-def _rel(got, want):
+def rel(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def _weights(npu: Npu, key: str, seed: int = 0):
-    """Test-owned weights: a float matrix (the oracle's) and its packed upload (the device's)."""
+def test_weights(npu: Npu, key: str, seed: int = 0, bias: bool | None = None):
+    """Test-owned weights for GEMM `key`: the float B (and bias) the oracle uses, and their packed upload."""
     g = npu.spec(key)
-    w = pack.round_bf16(np.random.default_rng(seed).standard_normal((g.k, g.n), dtype=np.float32) / np.sqrt(g.k))
-    bo = npu.weight_slot(key)
-    npu.push(pack.pack_b(w, g.b_layout), bo)
-    return w, bo
+    rng = np.random.default_rng(seed)
+    b = (rng.standard_normal((g.k, g.n)) / np.sqrt(g.k)).astype(np.float32)
+    bias_row = rng.standard_normal(g.n).astype(np.float32) if g.bias else None
+    packed = pack.pack_b(b, bias_row, g.tile_k, g.tile_n, g.ct_k)
+    b, bias_row = pack.unpack_b(packed, g.k, g.n, g.tile_k, g.tile_n, g.ct_k, g.bias)  # the values the device sees
+    return b, bias_row, npu.upload(packed)
 
 
-def test_gemm_stage_chunks_in_one_chain(npu):
-    w, wbo = _weights(npu, "blk0.qkv")
-    x = pack.round_bf16(np.random.default_rng(1).standard_normal((250, 64), dtype=np.float32))
-    io = npu.io("blk0.qkv", 250)
-    assert io.rows == 256 and len(io.chunks) == 8  # padded to m = 32
-    npu.prepare(io, wbo)
-    with npu.stage("qkv", "gemm", 250, len(io.chunks)) as st:
-        io.set_a(x)
-        npu.run_synced(io, wbo)
-    got = pack.from_bf16(io.get_c(250))
-    assert _rel(got, x @ w) < TOL
-    assert (st.exec_cmds, st.waits, st.bytes_in) == (1, 1, 250 * 64 * 2)
+test_weights.__test__ = False  # a helper, not a test
 
 
-def test_more_chunks_than_a_chain_holds(npu):
-    w, wbo = _weights(npu, "blk0.proj")
-    rows = (CHAIN_CAPACITY + 6) * 32  # m = 32
-    x = pack.round_bf16(np.random.default_rng(2).standard_normal((rows, 64), dtype=np.float32))
-    io = npu.io("blk0.proj", rows)
-    io.set_a(x)
-    with npu.stage("proj", "gemm", io.rows, len(io.chunks)) as st:
-        npu.run(io, wbo)
-    # Two ERT_CMD_CHAIN packets (a full one and 6 runs), one wait.
-    assert (len(io.chunks), st.exec_cmds, st.waits) == (CHAIN_CAPACITY + 6, 2, 1)
-    assert _rel(pack.from_bf16(io.get_c(io.rows)), x @ w) < TOL
+def oracle(a, b, bias, mode):
+    y = pack.round_bf16(a) @ b
+    if bias is not None:
+        y = y + bias
+    return kernels.apply_epilogue(y, mode)
 
 
-def test_packets_built_once_per_operand_set(npu):
-    _, wbo = _weights(npu, "blk0.qkv")
-    _, other = _weights(npu, "blk0.qkv", seed=5)
-    io = npu.io("blk0.qkv", 64)
-    io.set_a(np.ones((64, 64), np.float32))
-    npu.run(io, wbo)
-    stats = npu.device.stats
-    before = stats["CREATE_BO"]
-    npu.run(io, wbo)
-    assert stats["CREATE_BO"] == before  # the same operands reuse their packets
-    npu.run(io, other)
-    assert stats["CREATE_BO"] > before  # new weights: new packets (kept alongside)
-    before = stats["CREATE_BO"]
-    npu.run(io, wbo)
-    npu.run(io, other)
-    assert stats["CREATE_BO"] == before
-    m = npu.mha_io("blk0.attn", batch=2)
-    act = npu.device.bo(npu.ops["blk0.gelu"].elems * 2)
-    npu.run_mha(m)
-    npu.run_args("blk0.gelu", [act])
-    before = stats["CREATE_BO"]
-    npu.run_mha(m)
-    npu.run_args("blk0.gelu", [act])
-    assert stats["CREATE_BO"] == before
-    npu.run_args("blk0.gelu", [npu.device.bo(npu.ops["blk0.gelu"].elems * 2)])
-    assert stats["CREATE_BO"] == before + 2  # the new buffer and the packet of a new operand set
+def mode_of(bundle, key):
+    return kernels.epilogue_mode(bundle.insts_bytes(key))
 
 
-def test_chained_fc2_moves_nothing_through_the_host(npu):
-    w1, w1bo = _weights(npu, "blk0.fc1")
-    w2, w2bo = _weights(npu, "blk0.fc2")
-    x = pack.round_bf16(np.random.default_rng(3).standard_normal((256, 64), dtype=np.float32))
-    fc1 = npu.io("blk0.fc1", 256)
-    fc2 = npu.io_chained("blk0.fc2", fc1)
-    assert fc2.chained
-    fc1.set_a(x)
-    npu.run_synced(fc1, w1bo)
-    npu.run_args("blk0.gelu", [fc1.c])
-    npu.prepare(fc2, w2bo)
-    stats = npu.device.stats
-    syncs = stats["SYNC_BO"]
-    with npu.stage("fc2", "gemm", 256, len(fc2.chunks)) as st:
-        npu.run_synced(fc2, w2bo)
-    assert st.bytes_in == 0 and st.bytes_out == 0
-    assert stats["SYNC_BO"] == syncs  # the chained A (fc1's device-written C) was not synced over
-    hidden = reference.gelu(pack.round_bf16(x @ w1))
-    assert _rel(pack.from_bf16(fc2.get_c(256)), pack.round_bf16(hidden) @ w2) < TOL
-    with pytest.raises(NpuError, match=r"blk0\.fc2: A is blk0\.fc1's C \(chained\)"):
-        fc2.set_a(x)
+def counted(npu, body):
+    before = dict(npu.device.stats)
+    body()
+    return {k: npu.device.stats[k] - before.get(k, 0) for k in ("EXEC_CMD", "SYNCOBJ_TIMELINE_WAIT", "bytes_in")}
 
 
-def test_conv_io_plus_tap_sum_equals_direct_conv(npu):
-    geom = npu.conv_geometry("neck.conv16")
-    rng = np.random.default_rng(4)
-    x = pack.round_bf16(rng.standard_normal((16, 16, geom.d), dtype=np.float32))
-    weight = pack.round_bf16(rng.standard_normal((geom.cout, geom.d, 3, 3), dtype=np.float32) / 10)
-    wbo = npu.upload(pack.pack_conv3x3(weight, geom.p))
-    io = npu.conv_io("neck.conv16", 16, 16)
-    assert io.rows == 80 and len(io.chunks) == 5  # ceil(16*18/4) = 72 -> 80 (m = 16)
+@pytest.mark.parametrize("chains", [True, False])
+def test_gemm_over_chunks_equals_numpy(host, chains):
+    with Npu(host, "emu:npu4", chains=chains) as npu:
+        g = npu.spec("v_qkv")
+        rows = 3 * g.m + 5  # not a multiple of m: the last chunk is partly padding
+        b, bias, w = test_weights(npu, "v_qkv")
+        a = np.random.default_rng(1).standard_normal((rows, g.k)).astype(np.float32)
+        io = npu.io("v_qkv", rows)
+        assert io.rows == 4 * g.m and len(io.chunks) == 4
+        io.set_a(a)
+        delta = counted(npu, lambda: npu.run(io, w))
+        got = pack.from_bf16(io.get_c(rows))
+    assert rel(got, oracle(a, b, bias, mode_of(host, "v_qkv"))) < 1e-2
+    if chains:  # one chain packet per CHAIN_CAPACITY runs, one wait for the stage
+        assert delta["EXEC_CMD"] == math.ceil(4 / CHAIN_CAPACITY) and delta["SYNCOBJ_TIMELINE_WAIT"] == 1
+    else:  # the reference's dispatch: every chunk submitted and waited for
+        assert delta["EXEC_CMD"] == 4 and delta["SYNCOBJ_TIMELINE_WAIT"] == 4
+
+
+def test_env_turns_chains_off_and_refuses_nonsense(host, monkeypatch):
+    monkeypatch.setenv("SAM3_CHAINS", "0")
+    with Npu(host, "emu:npu4") as npu:
+        assert npu.chains is False
+    monkeypatch.setenv("SAM3_CHAINS", "yes")
+    with pytest.raises(ValueError, match="SAM3_CHAINS='yes': expected 0"):
+        Npu(host, "emu:npu4")
+
+
+def test_chained_fc2_reads_fc1_in_place(npu, host):
+    b1, bias1, w1 = test_weights(npu, "v_fc1", 2)
+    b2, bias2, w2 = test_weights(npu, "v_fc2", 3)
+    g = npu.spec("v_fc1")
+    a = np.random.default_rng(4).standard_normal((2 * g.m, g.k)).astype(np.float32)
+    fc1 = npu.io("v_fc1", 2 * g.m)
+    fc2 = npu.io_chained("v_fc2", fc1)
+    fc1.set_a(a)
+    npu.run(fc1, w1)
+    npu.prepare(fc2, w2)  # instructions and packets uploaded ahead: the run itself moves only data
+    delta = counted(npu, lambda: npu.run_synced(fc2, w2))  # chained: no sync, nothing pushed
+    assert delta["bytes_in"] == 0
+    hidden = pack.round_bf16(oracle(a, b1, bias1, mode_of(host, "v_fc1")))
+    want = oracle(hidden, b2, bias2, mode_of(host, "v_fc2"))
+    assert rel(pack.from_bf16(fc2.get_c(2 * g.m)), want) < 2e-2
+    with pytest.raises(NpuError, match="v_fc2: A is v_fc1's C"):
+        fc2.set_a(a)
+
+
+def test_packets_are_built_once_per_operand_set(npu):
+    _, _, w = test_weights(npu, "v_o")
+    io = npu.io("v_o", npu.spec("v_o").m * 2)
+    npu.run_synced(io, w)
+    cmd_bos = npu.device.stats["CREATE_BO"]
+    npu.run_synced(io, w)
+    npu.run_synced(io, w)
+    assert npu.device.stats["CREATE_BO"] == cmd_bos  # reused: nothing allocated per dispatch
+
+
+def direct_conv(x, w):
+    """3x3 convolution, zero padding 1: x [H, W, C], w [OC, C, 3, 3] -> [H, W, OC] (numpy, tap by tap)."""
+    h, wd, _ = x.shape
+    padded = np.pad(x, ((1, 1), (1, 1), (0, 0)))
+    out = np.zeros((h, wd, w.shape[0]), np.float32)
+    for dy in range(3):
+        for dx in range(3):
+            out += padded[dy:dy + h, dx:dx + wd] @ w[:, :, dy, dx].T
+    return out
+
+
+@pytest.mark.parametrize("side", [3, 8])
+def test_conv_io_equals_a_direct_convolution(npu, side):
+    g = npu.spec("conv")
+    geom = pack.ConvGeometry.of(g.k, g.lda, g.n)
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((geom.oc, geom.c, 3, 3)) / np.sqrt(9 * geom.c)).astype(np.float32)
+    w = pack.round_bf16(w)
+    x = pack.round_bf16(rng.standard_normal((side, side, geom.c)).astype(np.float32))
+    io = npu.conv_io("conv", side, side)
     io.set_a(pack.conv_input(x, geom, io.rows))
-    npu.run_synced(io, wbo)
-    out = pack.conv_output(io.get_c(io.rows), geom, 16, 16)
-    assert _rel(out, reference.conv3x3(x, weight)) < TOL
+    npu.run(io, npu.upload(pack.pack_b(pack.conv_weights(w, geom.p), None, g.tile_k, g.tile_n, g.ct_k)))
+    got = pack.conv_output(io.get_c(io.rows), geom, side, side)
+    assert rel(got, direct_conv(x, w)) < 2e-2
 
 
-def test_windowed_attention_batch(npu):
-    spec = npu.mhas["blk0.attn"]
+def attention_oracle(q, k, v):
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("key", ["mha_win", "mha_glob"])
+def test_attention_layouts(npu, key):
+    s = npu.mhas[key]
     rng = np.random.default_rng(6)
-    q, k, v = (pack.round_bf16(rng.standard_normal((4, spec.heads, spec.seq, spec.d), dtype=np.float32))
-               for _ in range(3))
-    m = npu.mha_io("blk0.attn", batch=4)
-    m.set_qkv(q, k, v)
-    with npu.stage("attn", "mha", 0, 4) as st:
-        npu.run_mha(m)
-    assert (st.exec_cmds, st.waits) == (1, 1)
-    assert _rel(pack.from_bf16(m.get_o()), reference.attention(q, k, v)) < TOL
+    q, k, v = (pack.round_bf16(rng.standard_normal((s.heads, s.seq, s.d)).astype(np.float32)) for _ in range(3))
+    m = npu.mha_io(key)
+
+    def layout(x):  # [heads, seq, d] or token-major [seq, heads * d]
+        return x.transpose(1, 0, 2).reshape(s.seq, -1) if s.token_major else x
+
+    m.set_qkv(layout(q), layout(k), layout(v))
+    npu.run_mha(m)
+    got = pack.from_bf16(m.get_o(s.heads * s.seq * s.d))
+    got = got.reshape(s.seq, s.heads, s.d).transpose(1, 0, 2) if s.token_major else got.reshape(q.shape)
+    assert rel(got, attention_oracle(q, k, v)) < 2e-2
 
 
-def test_models_bound_from_manifest(npu, tiny):
-    registry = npu.device.emulator.models
-    qkv = tiny.gemms["blk0.qkv"]
-    bound = registry.lookup(stream_digest(qkv.insts.read_bytes()))
-    assert repr(bound) == repr(Gemm(qkv.m, qkv.k, qkv.n, qkv.lda, qkv.b_layout))
-    assert all(registry.lookup(stream_digest(tiny.kernel(k).insts.read_bytes())) is not None for k in tiny.keys())
+def contexts(bundle, *keys):
+    return [bundle.kernel(k).ctx for k in keys]
 
 
-def test_lru_with_context_cap(tiny):
-    with Npu(tiny, "emu", max_contexts=2) as npu:
-        # Sorted keys: blk0.attn (mha), blk0.fc1 / blk0.fc2 (mlp_gemm), then blk0.gelu would be a third.
-        assert npu.resident == ["xclbin/mha.xclbin", "xclbin/mlp_gemm.xclbin"]
-        assert (npu.loads, npu.evictions) == (2, 0)
-        _, wbo = _weights(npu, "blk0.qkv")
-        io = npu.io("blk0.qkv", 32)
-        npu.run_synced(io, wbo)
-        assert npu.resident == ["xclbin/mlp_gemm.xclbin", "xclbin/attn_gemm.xclbin"]
-        npu.run_mha(npu.mha_io("blk0.attn"))
-        assert npu.resident == ["xclbin/attn_gemm.xclbin", "xclbin/mha.xclbin"]
-        assert (npu.loads, npu.evictions) == (4, 2)
+def test_lru_under_a_cap_of_two(host):
+    keys = host.kernel_keys()
+    order = list(dict.fromkeys(host.kernel(k).ctx for k in keys))  # contexts in sorted-key load order
+    with Npu(host, "emu:npu4", max_contexts=2) as npu:
+        assert npu.resident == order[:2] and (npu.loads, npu.evictions) == (2, 0)
+        first = next(k for k in keys if host.kernel(k).ctx == order[0] and k in host.gemms and k != "conv")
+        third = next(k for k in keys if host.kernel(k).ctx == order[2] and k in host.gemms)
+        npu.run_synced(npu.io(first, 1), test_weights(npu, first)[2])  # order[0] becomes most recently used
+        assert npu.resident == [order[1], order[0]]
+        npu.run_synced(npu.io(third, 1), test_weights(npu, third)[2])  # evicts order[1], never its own
+        assert npu.resident == [order[0], order[2]] and (npu.loads, npu.evictions) == (3, 1)
         assert npu.device.emulator.counters.live()["hwctx"] == 2
-        npu.run_synced(io, wbo)  # attn_gemm still resident: its packets are reused, nothing loads
-        assert (npu.loads, npu.evictions) == (4, 2)
 
 
-def test_env_cap_and_drain(tiny, monkeypatch):
-    monkeypatch.setenv("SAM3_MAX_CONTEXTS", "2")
-    with Npu(tiny, "emu", evict="drain") as npu:
-        assert npu.loads == 2
-        npu.run_args("blk0.gelu", [npu.device.bo(tiny.ops["blk0.gelu"].elems * 2)])
-        assert npu.resident == ["xclbin/ew.xclbin"]  # drained both before loading
-        assert npu.evictions == 2
-    monkeypatch.setenv("SAM3_MAX_CONTEXTS", "lots")
-    with pytest.raises(ValueError, match="SAM3_MAX_CONTEXTS='lots'"):
-        Npu(tiny, "emu")
+@pytest.mark.parametrize("cap", [0, -1, "2", 1.5, True])
+def test_a_cap_below_one_or_not_an_integer_is_refused(host, cap):
+    with pytest.raises(ValueError, match="expected a positive integer"):
+        Npu(host, "emu:npu4", max_contexts=cap)
 
 
-def test_no_room_is_the_drivers_answer(tiny):
-    with _emulated() as (emu, dev):
-        emu.faults.cap_contexts(3)  # firmware context limit: CREATE_HWCTX refuses the 4th
-        with Npu(tiny, dev) as npu:
-            # Sorted keys: blk0.attn (mha), blk0.fc1, blk0.fc2 (mlp_gemm), blk0.gelu (ew), then blk0.proj's
-            # attn_gemm is refused and open stops there.
-            assert npu.resident == ["xclbin/mha.xclbin", "xclbin/mlp_gemm.xclbin", "xclbin/ew.xclbin"]
-            npu.run_mha(npu.mha_io("glb.attn"))  # not loaded at open, but its context is resident
-            assert (npu.loads, npu.evictions) == (3, 0)
-            _, wbo = _weights(npu, "blk0.qkv")
-            npu.run_synced(npu.io("blk0.qkv", 32), wbo)  # attn_gemm refused again: evicts the LRU (mlp_gemm)
-            assert npu.resident == ["xclbin/ew.xclbin", "xclbin/mha.xclbin", "xclbin/attn_gemm.xclbin"]
-            assert (npu.loads, npu.evictions) == (4, 1)
+@pytest.mark.parametrize("text", ["0", "two", "²"])
+def test_env_cap_is_checked(host, monkeypatch, text):
+    monkeypatch.setenv("SAM3_MAX_CONTEXTS", text)
+    with pytest.raises(ValueError, match="SAM3_MAX_CONTEXTS"):
+        Npu(host, "emu:npu4")
 
 
-def test_open_when_device_refuses_first_context(tiny):
-    with _emulated() as (emu, dev):
+def test_no_room_is_the_drivers_answer(host):
+    order = list(dict.fromkeys(host.kernel(k).ctx for k in host.kernel_keys()))
+    with emulated() as (emu, dev):
+        emu.faults.cap_contexts(3)  # the firmware refuses a 4th context: open stops loading there
+        with Npu(host, dev) as npu:
+            assert npu.resident == order[:3] and npu.evictions == 0
+            late = next(k for k in host.kernel_keys() if host.kernel(k).ctx == order[3] and k in host.gemms)
+            npu.run_synced(npu.io(late, 1), test_weights(npu, late)[2])  # refused again: evicts the LRU
+            assert npu.resident == [*order[1:3], order[3]] and (npu.loads, npu.evictions) == (4, 1)
+
+
+def test_open_when_the_device_refuses_the_first_context(host):
+    with emulated() as (emu, dev):
         emu.faults.fail_next_create_hwctx(errno.ENODEV)
-        with Npu(tiny, dev) as npu:
+        with Npu(host, dev) as npu:
             assert npu.loads == 0  # "no room" at open: everything loads on first use
-            npu.run_mha(npu.mha_io("blk0.attn"))
-            assert npu.resident == ["xclbin/mha.xclbin"]
+            npu.run_mha(npu.mha_io("mha_glob"))
+            assert npu.resident == [host.kernel("mha_glob").ctx]
 
 
-class _FailOnCall:
+def gelu_off(words: np.ndarray) -> list[tuple[int, int]]:
+    """taconite's patch: for each of the stream's core blocks whose mode op writes RTP + 8, mode 5 -> 0."""
+    return [(20 + 24 * i, 0) for i in range(kernels.CORES)
+            if 21 + 24 * i < len(words) and words[18 + 24 * i] & 0xFFF == 0x408 and words[20 + 24 * i] == 5]
+
+
+def test_patch_insts_is_reapplied_after_an_eviction(host):
+    with Npu(host, "emu:npu4", max_contexts=1) as npu:
+        assert mode_of(host, "v_fc1") == kernels.EPILOGUE_GELU_TANH
+        b, bias, w = test_weights(npu, "v_fc1", 7)
+        a = np.random.default_rng(8).standard_normal((4, npu.spec("v_fc1").k)).astype(np.float32)
+        io = npu.io("v_fc1", 4)
+        io.set_a(a)
+        npu.run(io, w)
+        with_gelu = pack.from_bf16(io.get_c(4))
+        patch = gelu_off(npu.insts("v_fc1"))
+        assert len(patch) == kernels.CORES
+        npu.patch_insts("v_fc1", patch)
+        npu.run(io, w)
+        plain = pack.from_bf16(io.get_c(4))
+        assert rel(plain, oracle(a, b, bias, kernels.EPILOGUE_NONE)) < 1e-2
+        assert rel(with_gelu, oracle(a, b, bias, kernels.EPILOGUE_GELU_TANH)) < 1e-2
+        evictions = npu.evictions
+        npu.run_mha(npu.mha_io("mha_glob"))  # cap 1: v_fc1's context goes
+        assert npu.evictions == evictions + 1
+        npu.run(io, w)  # reloaded: the recorded words are applied again
+        assert np.array_equal(pack.from_bf16(io.get_c(4)), plain)
+        assert npu.insts("v_fc1").tobytes() == host.insts_bytes("v_fc1")  # the bundle's stream is untouched
+
+
+def test_patch_insts_refusals(npu):
+    words = len(npu.insts("v_o"))
+    with pytest.raises(ValueError, match=f"v_o: word index {words} outside the stream's {words} words"):
+        npu.patch_insts("v_o", [(words, 0)])
+    with pytest.raises(ValueError, match="is not a u32"):
+        npu.patch_insts("v_o", [(0, 1 << 32)])
+    with pytest.raises(TypeError, match=r"\(word index, value\) pairs"):
+        npu.patch_insts("v_o", [5])
+    with pytest.raises(NpuError, match="no kernel 'nope'"):
+        npu.patch_insts("nope", [])
+    with pytest.raises(NpuError, match="no kernel 'nope'"):
+        npu.insts("nope")
+
+
+class FailOnCall:
     """Wraps a model; raises a device fault on its `n`-th call (0-based)."""
 
     def __init__(self, inner, n):
@@ -243,159 +302,75 @@ class _FailOnCall:
         self.inner(args)
 
 
-def test_kernel_failing_mid_stage_names_key_and_chunk(npu, tiny):
-    registry = npu.device.emulator.models
-    stream = tiny.gemms["blk0.fc1"].insts.read_bytes()
-    inner = registry.lookup(stream_digest(stream))
-    registry.unbind(stream)
-    registry.bind(stream, _FailOnCall(inner, 2))
-    _, wbo = _weights(npu, "blk0.fc1")
-    io = npu.io("blk0.fc1", 256)
-    with pytest.raises(NpuError, match=r"blk0\.fc1: chunk 2 of 8 failed") as e:
-        npu.run_synced(io, wbo)
-    assert (e.value.key, e.value.chunk) == ("blk0.fc1", 2)
-    assert isinstance(e.value.__cause__, errors.CommandError) and e.value.__cause__.index == 2
-    npu.device.emulator.models.unbind(stream)
-    npu.device.emulator.models.bind(stream, inner)
-    npu.run_synced(io, wbo)  # the same packets run again after the failure (rebuilt by the runtime)
+@pytest.mark.parametrize("chains", [True, False])
+def test_a_chunk_failing_mid_stage_names_key_and_chunk(host, chains):
+    with Npu(host, "emu:npu4", chains=chains) as npu:
+        registry = npu.device.emulator.models
+        stream = host.insts_bytes("v_fc1")
+        inner = registry.lookup(stream_digest(stream))
+        registry.unbind(stream)
+        registry.bind(stream, FailOnCall(inner, 2))
+        w = test_weights(npu, "v_fc1")[2]
+        io = npu.io("v_fc1", 4 * npu.spec("v_fc1").m)
+        with pytest.raises(NpuError, match=r"v_fc1: chunk 2 of 4 failed") as e:
+            npu.run_synced(io, w)
+        assert (e.value.key, e.value.chunk) == ("v_fc1", 2)
+        assert isinstance(e.value.__cause__, errors.CommandError)
+        registry.unbind(stream)
+        registry.bind(stream, inner)
+        npu.run_synced(io, w)  # the same operand set runs again after the failure
 
 
-def test_firmware_error_on_a_single_run(npu, tiny):
-    npu.device.emulator.faults.error(tiny.ops["blk0.gelu"].insts.read_bytes())
-    with pytest.raises(NpuError, match=r"blk0\.gelu: chunk 0 of 1 failed.*ERROR") as e:
-        npu.run_args("blk0.gelu", [npu.device.bo(tiny.ops["blk0.gelu"].elems * 2)])
-    assert (e.value.key, e.value.chunk) == ("blk0.gelu", 0)
-    assert isinstance(e.value.__cause__, errors.CommandError)
-
-
-def test_wrong_generation_names_both(tiny):
-    with pytest.raises(BundleError, match=r"targets npu4 \(AIE2P\) but the device is npu1 \(AIE2\)"):
-        Npu(tiny, "emu:npu1")
-
-
-def test_argument_errors(npu):
-    with pytest.raises(NpuError, match="neck.conv16: overlapping A"):
-        npu.io("neck.conv16", 32)
-    with pytest.raises(NpuError, match="blk0.qkv: b_layout kn is not a 3x3 convolution"):
-        npu.conv_io("blk0.qkv", 4, 4)
-    with pytest.raises(NpuError, match=r"blk0\.proj: A width 192 \(C of blk0\.qkv\) != K 64"):
-        npu.io_chained("blk0.proj", npu.io("blk0.qkv", 32))
-    with pytest.raises(NpuError, match="no GEMM 'nope'"):
-        npu.io("nope", 1)
-    with pytest.raises(NpuError, match="no kernel 'nope'"):
-        npu.run_args("nope", [])
-    with pytest.raises(ValueError, match="evict must be one of"):
-        Npu(npu.bundle, npu.device, evict="fifo")
-
-
-def test_hung_stage_reports_timeout_with_key(tiny):
-    with _emulated(tdr_timeout=0.2) as (emu, dev), Npu(tiny, dev) as npu:
-        emu.faults.hang(tiny.gemms["blk0.fc1"].insts.read_bytes())
-        with pytest.raises(NpuError, match=r"blk0\.fc1: chunk 0 of 8 failed.*TIMEOUT") as e:
-            npu.run_synced(npu.io("blk0.fc1", 256), npu.weight_slot("blk0.fc1"))
+def test_a_hung_stage_times_out_naming_the_key(host):
+    with emulated(tdr_timeout=0.2) as (emu, dev), Npu(host, dev) as npu:
+        emu.faults.hang(host.insts_bytes("v_o"))
+        with pytest.raises(NpuError, match=r"v_o: chunk 0 of 1 failed.*TIMEOUT") as e:
+            npu.run_synced(npu.io("v_o", 1), test_weights(npu, "v_o")[2])
         assert isinstance(e.value.__cause__, errors.CommandTimeout)
 
 
-def test_chunk_views_follow_the_spec(npu):
-    """Chunk i of a plain GEMM views m*k elements of A from i*m*k; of a conv, (m-1)*lda + k from i*m*lda;
-    a chained A is the source's C; C rows come m at a time (spec 2-4, the seed's io / conv_io / io_chained)."""
-    def extents(bo, base):
-        return [(v.address - base.address, v.size) for v in bo]
-
-    q = npu.spec("blk0.qkv")  # m 32, k 64, n 192
-    io = npu.io("blk0.qkv", 70)
-    assert io.rows == 96 and io.a.size == 96 * 64 * 2 and io.c.size == 96 * 192 * 2
-    assert extents([a for a, _ in io.chunks], io.a) == [(i * 32 * 64 * 2, 32 * 64 * 2) for i in range(3)]
-    assert extents([c for _, c in io.chunks], io.c) == [(i * 32 * 192 * 2, 32 * 192 * 2) for i in range(3)]
-    assert q.m == 32
-    fc1 = npu.io("blk0.fc1", 64)  # n = 160 = fc2's k
-    fc2 = npu.io_chained("blk0.fc2", fc1)
-    assert (fc2.a.address, fc2.a.size, fc2.rows) == (fc1.c.address, fc1.c.size, 64)
-    assert extents([a for a, _ in fc2.chunks], fc1.c) == [(i * 32 * 160 * 2, 32 * 160 * 2) for i in range(2)]
-    # neck.conv16: D 32, P 4, m 16, K = 6*32 = 192, lda = 128; a 16x16 map: ceil(16*18/4) = 72 -> 80 rows.
-    conv = npu.conv_io("neck.conv16", 16, 16)
-    assert (conv.rows, conv.a.size) == (80, (80 * 4 + 2) * 32 * 2)
-    views = extents([a for a, _ in conv.chunks], conv.a)
-    assert views == [(i * 16 * 128 * 2, (15 * 128 + 192) * 2) for i in range(5)]
-    assert views[-1][0] + views[-1][1] <= conv.a.size  # the last view stays inside Y
-    m = npu.mha_io("blk0.attn", batch=3)  # 4 heads x 64 x 16
-    assert [(it[0].address - m.q.address, it[3].size) for it in m.items] == [(i * 4096 * 2, 4096 * 2) for i in range(3)]
+def test_operand_errors(npu):
+    with pytest.raises(NpuError, match=r"conv: overlapping A \(lda 192 < K 384\), use conv_io"):
+        npu.io("conv", 16)
+    with pytest.raises(NpuError, match="v_qkv: lda 64 >= K 64 is not an overlapping-row convolution"):
+        npu.conv_io("v_qkv", 4, 4)
+    with pytest.raises(NpuError, match=r"v_o: A width 192 \(C of v_qkv\) != K 64"):
+        npu.io_chained("v_o", npu.io("v_qkv", 16))
+    with pytest.raises(NpuError, match="no GEMM 'nope'"):
+        npu.io("nope", 1)
+    with pytest.raises(NpuError, match="no MHA 'v_o'"):
+        npu.mha_io("v_o")
+    with pytest.raises(ValueError, match="v_o: rows must be positive"):
+        npu.io("v_o", 0)
+    with pytest.raises(TypeError, match="v_o: rows must be an integer"):
+        npu.io("v_o", 2.0)
+    short = npu.device.bo(npu.spec("v_o").b_bytes - 64)
+    with pytest.raises(ValueError, match=r"v_o: weights of \d+ bytes, the kernel reads b_bytes=5184"):
+        npu.run(npu.io("v_o", 1), short)
+    with pytest.raises(ValueError, match="v_o: run_args takes 3 buffer"):
+        npu.run_args("v_o", [short])
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        Npu(npu.bundle, npu.device, timeout=-1)
 
 
-def test_operand_errors(npu, monkeypatch):
-    io = npu.io("blk0.qkv", 40)
-    with pytest.raises(ValueError, match=r"blk0\.qkv: get_c\(65\) outside C's 64 rows"):
-        io.get_c(65)
-    with pytest.raises(ValueError, match=r"blk0\.qkv: get_c\(-1\)"):
-        io.get_c(-1)
-    with pytest.raises(ValueError, match=r"blk0\.qkv: set_a of 4160 elements, A holds 4096"):
-        io.set_a(np.zeros((65, 64), np.float32))
-    with pytest.raises(TypeError, match="expected bf16 bits"):
-        io.set_a(np.zeros((4, 64), np.int32))
-    with pytest.raises(ValueError, match=r"blk0\.qkv: rows must be positive, got 0"):
-        npu.io("blk0.qkv", 0)
-    with pytest.raises(ValueError, match=r"neck\.conv16: map size 0x4 must be positive"):
-        npu.conv_io("neck.conv16", 0, 4)
-    with pytest.raises(ValueError, match=r"blk0\.attn: batch must be positive, got 0"):
-        npu.mha_io("blk0.attn", batch=0)
-    m = npu.mha_io("blk0.attn")
-    good = np.zeros(m.spec.elems, np.float32)
-    with pytest.raises(ValueError, match=r"blk0\.attn: k has 3 elements, 4096 expected"):
-        m.set_qkv(good, good[:3], good)
-    with pytest.raises(NpuError, match=r"neck\.conv16: overlapping A \(lda 128 != k 192\) cannot read"):
-        npu.io_chained("neck.conv16", io)
-    with pytest.raises(NpuError, match="no MHA 'nope'"):
-        npu.mha_io("nope")
-    closed = npu.device.bo(64)
-    closed.close()
-    with pytest.raises(NpuError, match=r"blk0\.gelu: preparing commands failed: .*buffer is closed") as e:
-        npu.run_args("blk0.gelu", [closed])
-    assert isinstance(e.value.__cause__, ValueError) and e.value.key == "blk0.gelu"
-    with pytest.raises(ValueError, match="upload: no data"):
-        npu.upload(b"")
-    for bad in (0, -2, True, "2"):
-        with pytest.raises(ValueError, match=f"max_contexts={bad!r}: expected a positive integer"):
-            Npu(npu.bundle, npu.device, max_contexts=bad)
-    monkeypatch.setenv("SAM3_MAX_CONTEXTS", "0")
-    with pytest.raises(ValueError, match="SAM3_MAX_CONTEXTS=0: expected a positive integer"):
-        Npu(npu.bundle, npu.device)
-
-
-def test_no_context_at_all_names_the_key_and_the_drivers_answer(tiny):
-    with _emulated() as (emu, dev):
-        emu.faults.cap_contexts(0)  # every CREATE_HWCTX refused (EINVAL from the firmware limit)
-        with Npu(tiny, dev) as npu:
-            assert (npu.loads, npu.resident) == (0, [])
-            with pytest.raises(NpuError, match=r"blk0\.qkv: no hardware context available \(0 resident\)") as e:
-                npu.run_synced(npu.io("blk0.qkv", 32), npu.weight_slot("blk0.qkv"))
-            assert e.value.key == "blk0.qkv"
-            assert isinstance(e.value.__cause__, errors.ContextUnavailableError)
-            assert e.value.__cause__.errno == errno.EINVAL and "CREATE_HWCTX" in str(e.value)
-            assert npu.evictions == 0
-
-
-def test_other_create_failures_are_not_no_room(tiny):
-    with _emulated() as (emu, dev):
-        emu.faults.fail_next_create_hwctx(errno.ENOMEM)
-        with pytest.raises(NpuError, match=r"loading blk0\.attn: CREATE_HWCTX.*ENOMEM") as e:
-            Npu(tiny, dev)  # blk0.attn is the first key in sorted order
-        assert e.value.key == "blk0.attn" and e.value.__cause__.errno == errno.ENOMEM
+def test_closed_npu_refuses_and_releases_everything(host):
+    emu = EmuDevice("npu4")
+    try:
+        dev = open_device(emu)
+        npu = Npu(host, dev)
+        npu.run_synced(npu.io("v_o", 1), npu.weights("v.0.o"))
+        npu.close()
+        npu.close()  # idempotent
+        with pytest.raises(NpuError, match="the Npu is closed"):
+            npu.io("v_o", 1)
         assert emu.counters.live()["hwctx"] == 0
+        dev.close()
+        assert emu.counters.live() == {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
+    finally:
+        emu.close()
 
 
-def test_evictions_release_command_packets(tiny):
-    """With one resident context, alternating two kernels evicts on every use: command packets (Run and
-    chain BOs) are rebuilt on the new context and the old ones released, so live BOs do not grow."""
-    with Npu(tiny, "emu", max_contexts=1) as npu:
-        counters = npu.device.emulator.counters
-        _, wbo = _weights(npu, "blk0.qkv")
-        io = npu.io("blk0.qkv", 256)  # 8 chunks: a RunList
-        act = npu.device.bo(tiny.ops["blk0.gelu"].elems * 2)
-        live = []
-        for _ in range(3):
-            npu.run(io, wbo)
-            npu.run_args("blk0.gelu", [act])
-            live.append(counters.live()["bos"])
-        assert counters.live()["hwctx"] == 1 and npu.resident == ["xclbin/ew.xclbin"]
-        assert live[0] == live[1] == live[2]
-        assert (npu.loads, npu.evictions) == (7, 6)  # open preloaded mha; each of the 6 uses evicts one
+def test_weights_are_uploaded_once(npu):
+    first = npu.weights("v.0.qkv")
+    assert npu.weights("v.0.qkv") is first
+    assert first.size == len(npu.bundle.tensors.raw("v.0.qkv"))

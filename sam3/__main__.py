@@ -1,0 +1,7 @@
+"""`python -m sam3`: the `sam3` command."""
+
+import sys
+
+from sam3.cli import main
+
+sys.exit(main())

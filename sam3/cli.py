@@ -1,0 +1,123 @@
+"""The `sam3` command (also `python -m sam3`): `demo`, `bundle`, `build` (docs/cli.md).
+
+Exit codes as `amdxdna`'s: 0 success, 1 a failure (an error, a stage out of tolerance), 2 a usage error;
+130 on Ctrl-C. Errors print one line, `sam3 <command>: <message>`; with `--json` a JSON error object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sam3 import build as build_mod
+from sam3 import demo as demo_mod
+from sam3.bundle import Bundle, BundleError, format_summary, summarize
+from sam3.npu import NpuError
+
+SCHEMA = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with one line on a usage error (as `amdxdna`)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("amdxdna-direct")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `sam3` argument parser."""
+    p = _Parser(prog="sam3", description="Segment Anything 3 with its heavy layers on an AMD XDNA NPU "
+                                         "(or the emulator), reading IRON's kernel bundles.")
+    p.add_argument("--version", action="version", version=f"sam3 (amdxdna-direct) {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    d = sub.add_parser("demo", help="the image encoder of a generated bundle on the NPU, checked against numpy",
+                       description="Runs the ViT (host and device-resident paths), the neck and the DETR encoder "
+                                   "of generated random-weight bundles through the NPU layer on the emulator (or "
+                                   "the NPU with --bundle), each stage checked against numpy float32.")
+    d.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU when a compiled --bundle "
+                                    "is given and an NPU is present, else the emulator)")
+    d.add_argument("--bundle", help="run the stages of this bundle directory instead of generated ones")
+    d.add_argument("--geometry", choices=("tiny", "sam3"), default="tiny",
+                   help="sizes of the generated bundles (sam3: full size, 1008 px; slow on the emulator)")
+    d.add_argument("--max-contexts", type=int, help="resident hardware context cap (default: env SAM3_MAX_CONTEXTS)")
+    d.add_argument("--no-chains", action="store_true", help="dispatch chunk by chunk, as the reference (SAM3_CHAINS=0)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the generated weights and inputs")
+    d.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    b = sub.add_parser("bundle", help="summarise a bundle: params, xclbins, kernels, tensors, problems",
+                       description="Reads a bundle (manifest.txt, tensors.txt, tensors.bin) and lists what its files "
+                                   "say, as `amdxdna xclbin` does for an xclbin. Exit 1 when a problem is found.")
+    b.add_argument("bundle", help="the bundle directory")
+    b.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    sub.add_parser("build", help="write a generated bundle (sam3 build --help)", add_help=False)
+    return p
+
+
+def _fail(command: str, message: str, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"schema": SCHEMA, "command": command, "ok": False, "error": message}))
+    else:
+        print(f"sam3 {command}: {message}", file=sys.stderr)
+    return 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    say = demo_mod.progress(not args.json or args.geometry != "tiny")
+    start = time.perf_counter()
+    doc = demo_mod.run_demo(args.device, args.bundle, geometry=args.geometry, max_contexts=args.max_contexts,
+                            chains=False if args.no_chains else None, seed=args.seed, say=say)
+    print(json.dumps(doc, allow_nan=False) if args.json else demo_mod.format_table(doc))
+    say(f"done in {time.perf_counter() - start:.1f} s")
+    return 0 if doc["ok"] else 1
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    bundle = Bundle.open(args.bundle)
+    try:
+        summary = summarize(bundle)
+    finally:
+        bundle.close()
+    if args.json:
+        print(json.dumps({"schema": SCHEMA, **summary}, allow_nan=False))
+    else:
+        print(format_summary(summary))
+    return 1 if summary.get("problems") else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `sam3` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["build"]:
+        return build_mod.main(argv[1:])
+    args = parser().parse_args(argv)
+    as_json = getattr(args, "json", False)
+    try:
+        handler: Any = {"demo": _demo, "bundle": _bundle}[args.command]
+        return int(handler(args))
+    except KeyboardInterrupt:
+        print(f"sam3 {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except BundleError as e:
+        return _fail(args.command, f"bundle: {e}", as_json)
+    except NpuError as e:
+        return _fail(args.command, f"NPU: {e}", as_json)
+    except (ValueError, OSError) as e:  # OSError: XdnaError, an unreadable or unwritable file
+        return _fail(args.command, str(e), as_json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
