@@ -4,3 +4,8 @@ One module per stage: `bundle` (the bundle format), `pack` (bfp16ebs8 weights), 
 the context LRU), `kernels` (what each IRON kernel computes, for the emulator), `vit`, `neck`, `detr`
 (stages), `build` (generated bundles), `demo` and `cli` (the `sam3` command).
 """
+
+import logging as _logging
+
+# A library logs; the application decides where it goes (docs/cli.md: the `sam3` command prints warnings).
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())

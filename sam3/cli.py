@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -55,12 +56,27 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--max-contexts", type=int, help="resident hardware context cap (default: env SAM3_MAX_CONTEXTS)")
     d.add_argument("--no-chains", action="store_true", help="dispatch chunk by chunk, as the reference (SAM3_CHAINS=0)")
     d.add_argument("--seed", type=int, default=0, help="seed of the generated weights and inputs")
+    d.add_argument("-o", "--overlay", default="overlay.png",
+                   help="where the whole pipeline's overlay goes (default overlay.png; '' for none)")
     d.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     b = sub.add_parser("bundle", help="summarise a bundle: params, xclbins, kernels, tensors, problems",
                        description="Reads a bundle (manifest.txt, tensors.txt, tensors.bin) and lists what its files "
                                    "say, as `amdxdna xclbin` does for an xclbin. Exit 1 when a problem is found.")
     b.add_argument("bundle", help="the bundle directory")
     b.add_argument("--json", action="store_true", help="print the summary as one JSON document")
+    s = sub.add_parser("segment", help="every instance of a text prompt in an image: score, box, mask",
+                       description="Segments IMAGE for each PROMPT (several prompts reuse the image's encoder "
+                                   "outputs) and prints the instances in query order, per-stage and per-kernel "
+                                   "times, contexts loaded and evicted.")
+    s.add_argument("bundle", help="the bundle directory")
+    s.add_argument("image", help="a JPEG or PNG image")
+    s.add_argument("prompt", nargs="+", help="the text prompt(s)")
+    s.add_argument("-o", "--output", help="write an overlay image (masks blended, boxes drawn); format by extension")
+    s.add_argument("--threshold", type=float, default=0.5, help="keep instances scoring above this (default 0.5)")
+    s.add_argument("--mask-threshold", type=float, default=0.5, help="mask probability cut (default 0.5)")
+    s.add_argument("--reps", type=int, default=1, help="forwards per prompt, each timed (default 1)")
+    s.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU, else the emulator)")
+    s.add_argument("--json", action="store_true", help="one JSON document; masks as run-length encodings")
     sub.add_parser("build", help="write a generated bundle (sam3 build --help)", add_help=False)
     return p
 
@@ -77,10 +93,75 @@ def _demo(args: argparse.Namespace) -> int:
     say = demo_mod.progress(not args.json or args.geometry != "tiny")
     start = time.perf_counter()
     doc = demo_mod.run_demo(args.device, args.bundle, geometry=args.geometry, max_contexts=args.max_contexts,
-                            chains=False if args.no_chains else None, seed=args.seed, say=say)
+                            chains=False if args.no_chains else None, seed=args.seed,
+                            overlay=args.overlay or None, say=say)
     print(json.dumps(doc, allow_nan=False) if args.json else demo_mod.format_table(doc))
     say(f"done in {time.perf_counter() - start:.1f} s")
     return 0 if doc["ok"] else 1
+
+
+def _segment(args: argparse.Namespace) -> int:
+    from sam3 import post
+    from sam3.pipeline import Sam3
+
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    start = time.perf_counter()
+    device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
+    try:
+        timeout = demo_mod.EMULATOR_TIMEOUT if device.emulator is not None else demo_mod.DEFAULT_TIMEOUT
+        with Sam3(args.bundle, device, timeout=timeout) as sam:
+            where = f"emulator ({device.name})" if device.emulator is not None else f"NPU ({device.name})"
+            loaded = time.perf_counter() - start
+            if not args.json:
+                print(f"loaded {args.bundle} ({loaded:.1f} s); mode npu on {where}")
+            doc: dict[str, Any] = {"schema": SCHEMA, "command": "segment", "bundle": str(args.bundle),
+                                   "image": str(args.image), "device": device.name, "load_seconds": loaded,
+                                   "prompts": []}
+            results = []
+            for prompt in args.prompt:
+                forwards = []
+                for rep in range(args.reps):
+                    begin = time.perf_counter()
+                    result = sam.segment(args.image, prompt, args.threshold, args.mask_threshold)
+                    ms = (time.perf_counter() - begin) * 1e3
+                    forwards.append({"ms": ms, **result.timing.as_dict(), "loads": result.loads,
+                                     "evictions": result.evictions})
+                    if not args.json:
+                        print(f"forward {rep}: {ms:.0f} ms ({result.timing.line()}; contexts loaded {result.loads}, "
+                              f"evicted {result.evictions})")
+                found = result.instances
+                results.append(found)
+                if not args.json:
+                    print(f"{json.dumps(prompt)}: {len(found)} instance(s)")
+                    print("\n".join(found.lines())) if len(found) else None
+                doc["prompts"].append({"prompt": prompt, "forwards": forwards, "instances": [
+                    {"query": int(q), "score": float(sc), "box": [float(v) for v in box], "pixels": int(area),
+                     "mask": post.rle_encode(m)}
+                    for q, sc, box, area, m in zip(found.queries, found.scores, found.boxes, found.areas(),
+                                                   found.masks, strict=True)]})
+            if args.output:
+                path = post.write_overlay(args.output, sam._image.rgb if sam._image else None, _merge(results))
+                doc["overlay"] = str(path)
+                if not args.json:
+                    print(f"wrote {path}")
+    finally:
+        device.close()
+    if args.json:
+        print(json.dumps(doc, allow_nan=False))
+    return 0
+
+
+def _merge(results: list[Any]) -> Any:
+    """All prompts' instances as one set, for one overlay."""
+    import numpy as np
+
+    from sam3.post import Instances
+
+    if len(results) == 1:
+        return results[0]
+    return Instances(*(np.concatenate([getattr(r, f) for r in results]) for f in ("queries", "scores", "boxes",
+                                                                              "masks")))
 
 
 def _bundle(args: argparse.Namespace) -> int:
@@ -96,15 +177,28 @@ def _bundle(args: argparse.Namespace) -> int:
     return 1 if summary.get("problems") else 0
 
 
+def _log_warnings() -> None:
+    """The library's warnings (a truncated prompt, ...) as one stderr line each, unless the caller configured
+    logging itself."""
+    log = logging.getLogger("sam3")
+    own = [h for h in log.handlers if not isinstance(h, logging.NullHandler)]
+    if not own and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("sam3: warning: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The `sam3` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _log_warnings()
     if argv[:1] == ["build"]:
-        return build_mod.main(argv[1:])
+        return build_mod.main(argv[1:], prog="sam3 build")
     args = parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     try:
-        handler: Any = {"demo": _demo, "bundle": _bundle}[args.command]
+        handler: Any = {"demo": _demo, "bundle": _bundle, "segment": _segment}[args.command]
         return int(handler(args))
     except KeyboardInterrupt:
         print(f"sam3 {args.command}: interrupted", file=sys.stderr)

@@ -17,7 +17,8 @@ STAGE_FIELDS = {"name", "kind", "rows", "chunks", "exec_cmds", "waits", "bytes_i
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
+def cache(tmp_path_factory, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the demo writes overlay.png into the working directory
     monkeypatch.setenv("SAM3_CACHE", str(tmp_path_factory.getbasetemp() / "sam3-cache"))
     monkeypatch.delenv("SAM3_MAX_CONTEXTS", raising=False)
     monkeypatch.delenv("AMDXDNA_DEVICE", raising=False)
@@ -40,6 +41,18 @@ def test_demo_json_lists_every_stage_within_tolerance(capsys):
         assert s["exec_cmds"] >= 1 and s["waits"] >= 1 and s["bytes_in"] > 0 and s["bytes_out"] > 0
         assert 0 <= s["max_rel_err"] <= s["tolerance"]
     assert doc["loads"] > 0 and doc["evictions"] == 0
+    seg = doc["segment"]
+    assert seg["prompt"] and seg["overlay"] == "overlay.png" and seg["instances"] == len(seg["scores"])
+    assert {"vit", "neck", "detr_enc", "detr_dec", "mask_dec", "post"} <= set(seg["timing"]["stages_ms"])
+    from PIL import Image
+
+    with Image.open("overlay.png") as written, Image.open(seg["image"]) as original:
+        assert written.size == original.size
+
+
+def test_demo_overlay_can_be_turned_off(capsys, tmp_path):
+    code, out, _ = run(capsys, "demo", "--device", "emu", "--json", "-o", "")
+    assert code == 0 and json.loads(out)["segment"]["overlay"] is None and not (tmp_path / "overlay.png").exists()
 
 
 def test_two_contexts_still_pass_with_evictions(capsys, monkeypatch):
@@ -64,6 +77,7 @@ def test_chunk_by_chunk_dispatch_gives_the_same_errors(capsys):
 def test_table_and_a_stage_out_of_tolerance(capsys, monkeypatch):
     code, out, _ = run(capsys, "demo", "--device", "emu")
     assert code == 0 and out.splitlines()[-1] == "result: OK" and "random (generated)" in out
+    assert "random weights: the instances mean nothing" in out and "wrote overlay.png" in out
     monkeypatch.setitem(demo.TOLERANCE, "neck", 1e-9)
     code, out, _ = run(capsys, "demo", "--device", "emu")
     assert code == 1 and out.splitlines()[-1] == "result: FAILED"
@@ -126,5 +140,10 @@ def test_bundle_summary_of_a_generated_bundle(capsys, tmp_path):
 
 
 def test_python_dash_m_and_version():
-    done = subprocess.run([sys.executable, "-m", "sam3", "--version"], capture_output=True, text=True, timeout=60)
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "sam3", "--version"], capture_output=True, text=True, timeout=60,
+                          env=env)
     assert done.returncode == 0 and done.stdout.startswith("sam3 (amdxdna-direct) ")
