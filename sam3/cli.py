@@ -141,7 +141,7 @@ def _segment(args: argparse.Namespace) -> int:
                     for q, sc, box, area, m in zip(found.queries, found.scores, found.boxes, found.areas(),
                                                    found.masks, strict=True)]})
             if args.output:
-                path = post.write_overlay(args.output, sam._image.rgb if sam._image else None, _merge(results))
+                path = post.write_overlay(args.output, result.rgb, _merge(results))
                 doc["overlay"] = str(path)
                 if not args.json:
                     print(f"wrote {path}")

@@ -145,7 +145,7 @@ def segment_reference_image(root: Path, dev: Device, timeout: float, overlay: st
                                "scores": [float(x) for x in found.scores], "timing": result.timing.as_dict(),
                                "timing_line": result.timing.line(), "lines": found.lines(), "overlay": None}
         if overlay:
-            doc["overlay"] = str(post.write_overlay(overlay, sam._image.rgb if sam._image else None, found))
+            doc["overlay"] = str(post.write_overlay(overlay, result.rgb, found))
         return doc
 
 

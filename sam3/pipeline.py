@@ -84,6 +84,7 @@ class Result:
 
     prompt: str
     instances: post.Instances
+    rgb: np.ndarray
     timing: Timing
     loads: int
     evictions: int
@@ -247,7 +248,7 @@ class Sam3:
         h, w = features.rgb.shape[:2]
         found = timed("post", post.instances, dec.logits, dec.presence, dec.boxes, out.masks, w, h, threshold,
                       mask_threshold)
-        return Result(prompt.text, found, timing, 0, 0, dec, out)
+        return Result(prompt.text, found, features.rgb, timing, 0, 0, dec, out)
 
     def close(self) -> None:
         """Releases the NPU (contexts, buffers; the device and bundle when opened here). Idempotent."""
