@@ -35,6 +35,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -223,7 +224,7 @@ class Geometry:
 
     @classmethod
     def derive(cls, name: str, *, m: int, tile_k: int, tile_n: int, ct_k: int, mha_d_head: int, conv_p: int = 2,
-               overrides: Mapping[str, Mapping[str, int]] | None = None, **params) -> Geometry:
+               overrides: Mapping[str, Mapping[str, int]] | None = None, **params: Any) -> Geometry:
         """A geometry whose kernels follow from the model sizes `params` (every field but gemms and mhas).
 
         Every GEMM gets (m, tile_k, tile_n, ct_k) and the shape the pipeline feeds it (docs/sam3-build.md 2):
@@ -239,12 +240,12 @@ class Geometry:
         shapes = _gemm_shapes(g, m, tile_k, tile_n, ct_k, conv_p, mha_d_head, overrides or {})
         return dataclasses.replace(g, gemms=shapes, mhas=_mha_shapes(g, mha_d_head))
 
-    def with_gemm(self, key: str, **changes: int) -> Geometry:
-        """This geometry with fields of GEMM `key` replaced (no other GEMM changes)."""
+    def with_gemm(self, key: str, **changes: Any) -> Geometry:
+        """This geometry with fields of GEMM `key` replaced (ints; `bias` a bool), no other GEMM changed."""
         return dataclasses.replace(self, gemms={**self.gemms, key: dataclasses.replace(self.gemms[key], **changes)})
 
-    def with_mha(self, key: str, **changes: int) -> Geometry:
-        """This geometry with fields of MHA `key` replaced."""
+    def with_mha(self, key: str, **changes: Any) -> Geometry:
+        """This geometry with fields of MHA `key` replaced (ints; `token_major` a bool)."""
         return dataclasses.replace(self, mhas={**self.mhas, key: dataclasses.replace(self.mhas[key], **changes)})
 
     def for_variant(self, variant: str) -> Geometry:
@@ -266,7 +267,7 @@ class Geometry:
         values = {n: getattr(self, n) for n in names}
         return {n: list(v) if isinstance(v, tuple) else v for n, v in values.items()}
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """Every field as JSON-ready data (the cache key hashes it)."""
         return dataclasses.asdict(self)
 
@@ -298,7 +299,7 @@ def _gemm_shapes(g: Geometry, m: int, tile_k: int, tile_n: int, ct_k: int, conv_
         if bad:
             raise GeometryError(g.name, f"overrides of {key} name GemmShape fields", f"unknown {bad}")
         k, n, bias = _gemm_size(g, key, choice, conv_p, mha_d_head)
-        fields = {"k": k, "n": n, "bias": bias} | choice
+        fields: dict[str, Any] = {"k": k, "n": n, "bias": bias} | choice
         if "lda" not in fields:  # only the conv's A rows overlap: lda = P D of K = (P + 2) D
             fields["lda"] = conv_p * fields["k"] // (conv_p + 2) if key == "conv" else fields["k"]
         shapes[key] = GemmShape(**fields)
@@ -377,7 +378,8 @@ class _Rules:
                   f"missing {sorted(set(GEMM_KEYS) - set(g.gemms))}, unknown {sorted(set(g.gemms) - set(GEMM_KEYS))}")
         self.need(set(g.mhas) == set(MHA_KEYS), "one MhaShape per MHA key",
                   f"missing {sorted(set(MHA_KEYS) - set(g.mhas))}, unknown {sorted(set(g.mhas) - set(MHA_KEYS))}")
-        for key, s in {**g.gemms, **g.mhas}.items():
+        shapes: dict[str, GemmShape | MhaShape] = {**g.gemms, **g.mhas}
+        for key, s in shapes.items():
             for f in dataclasses.fields(s):
                 v = getattr(s, f.name)
                 if not isinstance(v, bool):
@@ -597,7 +599,7 @@ def escape_prompt(text: str) -> str:
 # Building
 
 
-def build(out_dir: str | os.PathLike, geometry: Geometry | str = "tiny", *, variant: str = "host", seed: int = 0,
+def build(out_dir: str | os.PathLike[str], geometry: Geometry | str = "tiny", *, variant: str = "host", seed: int = 0,
           target: str = "npu4", version: int = 2, progress: ProgressFn | None = None) -> Path:
     """Write a bundle for `geometry` into `out_dir` (created; it must not exist or be empty).
 
@@ -667,6 +669,20 @@ def rope_angles(g: Geometry, perm: np.ndarray, windowed: bool) -> np.ndarray:
     fx = np.float32(10000.0) ** (-np.arange(nx, dtype=np.float32) / np.float32(nx))
     fy = np.float32(10000.0) ** (-np.arange(g.rope_half - nx, dtype=np.float32) / np.float32(max(g.rope_half - nx, 1)))
     return np.concatenate([x[:, None] * fx, y[:, None] * fy], axis=1).astype(np.float32)
+
+
+def write_kernels(w: BundleWriter, g: Geometry, variant: str, seed: int = 0, target: str = "npu4") -> None:
+    """Writes the placeholder kernel files and the xclbin, gemm, mha and op records of geometry `g` into `w`: what
+    the exporter writes for a checkpoint when no compiled kernels are given (docs/sam3-build.md 2).
+
+    Raises:
+        ValueError: an unknown target or variant.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    _Builder(w, g, variant, seed, target, lambda line: None).kernels()
 
 
 class _Builder:
@@ -1061,18 +1077,24 @@ KEY_FILE = "build.key"
 
 def build_key(geometry: Geometry, variant: str, seed: int, target: str, version: int = 2) -> str:
     """sha256 of everything a build's bytes depend on: the inputs, BUILDER_VERSION and the source of the modules
-    that write them (this one, sam3.pack, sam3.kernels, sam3.bundle, amdxdna_direct.xclbin)."""
+    that write them (this one, sam3.pack, sam3.kernels, sam3.bundle, amdxdna_direct.xclbin).
+
+    Raises:
+        RuntimeError: one of those modules was loaded without a source file (nothing to hash).
+    """
     modules = (sys.modules[__name__], pack, kernels, sys.modules[BundleWriter.__module__], xclbin)
     inputs = json.dumps({"geometry": geometry.to_json(), "variant": variant, "seed": seed, "target": target,
                          "version": version, "builder": BUILDER_VERSION}, sort_keys=True).encode()
     h = hashlib.sha256(inputs)
     for module in modules:
+        if module.__file__ is None:
+            raise RuntimeError(f"build key: module {module.__name__} has no source file, so its code cannot be hashed")
         h.update(hashlib.sha256(Path(module.__file__).read_bytes()).digest())
     return h.hexdigest()
 
 
-def build_cached(cache_dir: str | os.PathLike, geometry_name: str = "tiny", variant: str = "host", seed: int = 0, *,
-                 target: str = "npu4", version: int = 2, progress: ProgressFn | None = None) -> Path:
+def build_cached(cache_dir: str | os.PathLike[str], geometry_name: str = "tiny", variant: str = "host",
+                 seed: int = 0, *, target: str = "npu4", version: int = 2, progress: ProgressFn | None = None) -> Path:
     """The bundle for these inputs under `cache_dir`, reused when its key file matches `build_key`, else (re)built.
 
     A build goes to a temporary directory beside the final one and is renamed into place once complete, with its

@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU, else the emulator)")
     s.add_argument("--json", action="store_true", help="one JSON document; masks as run-length encodings")
     sub.add_parser("build", help="write a generated bundle (sam3 build --help)", add_help=False)
+    sub.add_parser("export", help="write a bundle from a transformers SAM3 checkpoint (sam3 export --help)",
+                   add_help=False)
     return p
 
 
@@ -195,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_warnings()
     if argv[:1] == ["build"]:
         return build_mod.main(argv[1:], prog="sam3 build")
+    if argv[:1] == ["export"]:
+        from sam3 import export
+
+        return export.main(argv[1:], prog="sam3 export")
     args = parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     try:
