@@ -34,7 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sam3.bundle import Bundle, BundleWriter
+# Runnable from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sam3.bundle import Bundle, BundleWriter  # noqa: E402
 
 # Full-size SAM3 (docs/sam3-bundle.md 5): the sizes the tensor names are shaped by.
 SIZES = dict(grid=72, window=24, patch=14, image_size=1008, vit_dim=1024, vit_heads=16, vit_layers=32, vit_ffn=4736,

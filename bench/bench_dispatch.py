@@ -25,16 +25,20 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from amdxdna_direct import RunList, open_device, xclbin
-from amdxdna_direct.device import TXN_DEV_GEN
-from amdxdna_direct.insts import dma_stream, encode
-from amdxdna_direct.kernel import Run
-from sam3.npu import push
-from sam3.pack import BF16_BYTES as BF16
-from sam3.pack import to_bf16
+# Runnable from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from amdxdna_direct import RunList, open_device, xclbin  # noqa: E402
+from amdxdna_direct.device import TXN_DEV_GEN  # noqa: E402
+from amdxdna_direct.insts import dma_stream, encode  # noqa: E402
+from amdxdna_direct.kernel import Run  # noqa: E402
+from sam3.npu import push  # noqa: E402
+from sam3.pack import BF16_BYTES as BF16  # noqa: E402
+from sam3.pack import to_bf16  # noqa: E402
 
 
 def _gemm_kernel(dev, m: int, k: int, n: int):

@@ -22,17 +22,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 from PIL import Image
 
-from sam3.preprocess import bilinear_taps, normalize, resize_rgb
-from sam3.text import encode_text
-from sam3.tokenizer import ClipTokenizer
+# Runnable from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sam3.preprocess import bilinear_taps, normalize, resize_rgb  # noqa: E402
+from sam3.text import encode_text  # noqa: E402
+from sam3.tokenizer import ClipTokenizer  # noqa: E402
 
 
 def _median_ms(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

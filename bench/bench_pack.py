@@ -17,12 +17,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import struct
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from sam3 import pack
+# Runnable from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sam3 import pack  # noqa: E402
 
 # (K, N, tile_k, tile_n, ct_k): tilings that satisfy docs/sam3-packing.md 3.1 for the ViT MLP weights
 WEIGHTS = [

@@ -12,6 +12,7 @@ Every file is opened relative to the bundle directory's file descriptor without 
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import math
@@ -23,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
@@ -218,7 +219,8 @@ class Record:
             raise self.error(f"`{key}=` missing")
         return self.kv[key]
 
-    def uint(self, key: str) -> int:
+    # `str` names the method above from here to the end of the class body, hence `builtins.str`.
+    def uint(self, key: builtins.str) -> int:
         """The `key=` field as an unsigned integer.
 
         Raises:
@@ -230,7 +232,7 @@ class Record:
             raise self.error(f"`{key}={text}` is malformed")
         return value
 
-    def flag(self, key: str) -> bool:
+    def flag(self, key: builtins.str) -> bool:
         """The `key=` field, which must be exactly 0 or 1.
 
         Raises:
@@ -241,7 +243,7 @@ class Record:
             raise self.error(f"`{key}={text}` is not 0 or 1")
         return text == "1"
 
-    def rest(self, n: int) -> str:
+    def rest(self, n: int) -> builtins.str:
         """The raw text after the tag and `n` fields, inner spacing kept (docs/sam3-bundle.md 2.1).
 
         Skips n+1 tokens, each after its leading whitespace, then drops exactly one leading ASCII space.
@@ -917,6 +919,8 @@ class Bundle:
     pcases: list[Case]
     ref_image: Path | None
     ref_prompt: str | None
+    _dir: _Dir
+    _insts: dict[str, bytes]
 
     def __init__(self) -> None:
         raise TypeError("use Bundle.open(directory)")
@@ -931,7 +935,7 @@ class Bundle:
         """
         self = cls.__new__(cls)
         self._dir = _Dir(directory)
-        self._insts: dict[str, bytes] = {}
+        self._insts = {}
         self.tensors = TensorStore({}, b"")
         try:
             self._load()
@@ -1007,15 +1011,15 @@ class Bundle:
         self.ref_image, self.ref_prompt = None, None
         owners: dict[str, tuple[str, int]] = {}
         for r in records:
-            if r.tag in ("gemm", "mha", "op"):
-                spec = {"gemm": self._gemm, "mha": self._mha, "op": self._op}[r.tag](r)
-                table = {"gemm": self.gemms, "mha": self.mhas, "op": self.ops}[r.tag]
-                if spec.key in owners:
-                    tag, line = owners[spec.key]
-                    raise r.error(f"{r.tag} {spec.key} defined twice" if tag == r.tag else
-                                  f"{r.tag} {spec.key}: the key is already the {tag} of {MANIFEST}:{line}")
-                owners[spec.key] = (r.tag, r.line)
-                table[spec.key] = spec
+            if r.tag == "gemm":
+                g = self._gemm(r)
+                self.gemms[_claim(owners, r, g.key)] = g
+            elif r.tag == "mha":
+                h = self._mha(r)
+                self.mhas[_claim(owners, r, h.key)] = h
+            elif r.tag == "op":
+                o = self._op(r)
+                self.ops[_claim(owners, r, o.key)] = o
             elif r.tag == "ref_image":
                 self.ref_image = self._path(r, r.rest(0), "ref_image")
             elif r.tag == "ref_prompt":
@@ -1031,8 +1035,8 @@ class Bundle:
     def _gemm(self, r: Record) -> GemmSpec:
         key, ctx = r.field(0), r.str("ctx")
         insts = self._path(r, r.str("insts"), "insts")
-        dims = [r.uint(k) for k in ("M", "K", "N", "lda", "tile_k", "tile_n", "ct_k")]
-        g = GemmSpec(key, ctx, insts, *dims, r.flag("bias"), r.uint("b_bytes"), r.line)
+        m, k, n, lda, tile_k, tile_n, ct_k = (r.uint(f) for f in ("M", "K", "N", "lda", "tile_k", "tile_n", "ct_k"))
+        g = GemmSpec(key, ctx, insts, m, k, n, lda, tile_k, tile_n, ct_k, r.flag("bias"), r.uint("b_bytes"), r.line)
         if ctx not in self.xclbins:
             raise r.error(f"gemm {key} runs on unknown xclbin {ctx}")
         return g
@@ -1176,6 +1180,16 @@ class Bundle:
         self.close()
 
 
+def _claim(owners: dict[str, tuple[str, int]], r: Record, key: str) -> str:
+    """Record `r` as the owner of kernel `key`, which one key names across gemm, mha and op; returns `key`."""
+    if key in owners:
+        tag, line = owners[key]
+        raise r.error(f"{r.tag} {key} defined twice" if tag == r.tag else
+                      f"{r.tag} {key}: the key is already the {tag} of {MANIFEST}:{line}")
+    owners[key] = (r.tag, r.line)
+    return key
+
+
 def parse_vocab(data: bytes) -> dict[str, int]:
     """`vocab.json`: a flat JSON object of string to integer (docs/sam3-bundle.md 7).
 
@@ -1208,7 +1222,7 @@ def parse_merges(data: bytes) -> list[tuple[str, str]]:
         number, line = next((n, ln) for n, ln in enumerate(lines, 1)
                             if ln and not ln.startswith("#version") and " " not in ln)
         raise BundleError(f"{MERGES}:{number}: {line}")
-    return pairs  # type: ignore[return-value]
+    return cast(list[tuple[str, str]], pairs)  # every pair has two parts: checked above
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -1354,7 +1368,7 @@ class BundleWriter:
         # uint16 bf16 bits are written as they are; other dtypes in little-endian order (docs/sam3-bundle.md 6).
         want = np.dtype("<u2") if code == "bf16_bits" else DTYPES[code]
         data = np.ascontiguousarray(arr.astype(want, copy=False)).reshape(-1).view(np.uint8)
-        return self._append(name, code.removesuffix("_bits"), arr.shape, memoryview(data))
+        return self._append(name, code.removesuffix("_bits"), arr.shape, data.data)
 
     def raw_tensor(self, name: str, data: bytes | bytearray | memoryview | np.ndarray) -> TensorInfo:
         """Append raw bytes as a u8 tensor of shape [nbytes] (a packed B operand, a RoPE table).
@@ -1366,7 +1380,7 @@ class BundleWriter:
         if isinstance(data, np.ndarray):
             if data.dtype != np.uint8:
                 raise BundleError(f"tensor {name}: raw bytes must be uint8, not {data.dtype}")
-            view = memoryview(np.ascontiguousarray(data).reshape(-1))
+            view = np.ascontiguousarray(data).reshape(-1).data
         else:
             view = memoryview(data).cast("B")
         return self._append(name, "u8", (view.nbytes,), view)
@@ -1508,8 +1522,8 @@ class _Summary:
         out = []
         for x in self.b.xclbins.values():
             users = [g.key for g in self.b.gemms.values() if g.ctx == x.key]
-            users += [k.key for k in [*self.b.mhas.values(), *self.b.ops.values()]
-                      if (k.xclbin, k.name) == (x.path, x.kernel)]
+            named: list[MhaSpec | OpSpec] = [*self.b.mhas.values(), *self.b.ops.values()]
+            users += [k.key for k in named if (k.xclbin, k.name) == (x.path, x.kernel)]
             out.append({"key": x.key, "path": self._rel(x.path), "kernel": x.kernel, "line": x.line,
                         "kernels": sorted(users)})
             self._file(x.path, f"xclbin {x.key}")
@@ -1546,7 +1560,8 @@ class _Summary:
                 "line": o.line}
 
     def _tensors(self) -> dict[str, Any]:
-        items, by_dtype = [], {}
+        items: list[dict[str, Any]] = []
+        by_dtype: dict[str, dict[str, int]] = {}
         for t in self.b.tensors:
             items.append({"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
                           "offset": t.offset})
@@ -1557,8 +1572,8 @@ class _Summary:
 
     def _problems(self) -> list[str]:
         b = self.b
-        for key, tags in ((GEMM_KEYS, b.gemms), (MHA_KEYS, b.mhas)):
-            self.problems += [f"kernel {k} missing from the manifest" for k in key if k not in tags]
+        for keys, tags in ((GEMM_KEYS, b.gemms), (MHA_KEYS, b.mhas)):
+            self.problems += [f"kernel {k} missing from the manifest" for k in keys if k not in tags]
         if b.params.vit_device:
             self.problems += [f"kernel {k} missing from the manifest (vit_device=1)" for k in OP_KEYS if k not in b.ops]
         for name in FLAG_PARAMS:

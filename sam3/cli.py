@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from sam3 import build as build_mod
 from sam3 import demo as demo_mod
@@ -25,7 +25,7 @@ SCHEMA = 1
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line on a usage error (as `amdxdna`)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}\n")
 
 

@@ -53,7 +53,7 @@ def cache_dir() -> Path:
     return Path(base) / "bundles"
 
 
-def choose_device(device: Any, bundle: str | os.PathLike | None, say: Callable[[str], None]) -> Device:
+def choose_device(device: Any, bundle: str | os.PathLike[str] | None, say: Callable[[str], None]) -> Device:
     """The device to run on: `device` when given; else a real NPU when there is one and a compiled bundle is
     given; else the emulator (saying why when an NPU is present but no bundle).
 
@@ -129,7 +129,7 @@ class Demo:
         return out
 
 
-def segment_reference_image(root: Path, dev: Device, timeout: float, overlay: str | os.PathLike | None,
+def segment_reference_image(root: Path, dev: Device, timeout: float, overlay: str | os.PathLike[str] | None,
                             max_contexts: int | None, chains: bool | None) -> dict[str, Any]:
     """The whole pipeline on the bundle's reference image and prompt; writes the overlay when asked."""
     from sam3 import post
@@ -149,9 +149,9 @@ def segment_reference_image(root: Path, dev: Device, timeout: float, overlay: st
         return doc
 
 
-def run_demo(device: Any = None, bundle: str | os.PathLike | None = None, *, geometry: str = "tiny",
+def run_demo(device: Any = None, bundle: str | os.PathLike[str] | None = None, *, geometry: str = "tiny",
              max_contexts: int | None = None, chains: bool | None = None, seed: int = 0,
-             overlay: str | os.PathLike | None = None,
+             overlay: str | os.PathLike[str] | None = None,
              say: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Runs the demo and returns its JSON document: the stage checks, then the whole pipeline (image and prompt
     to instances) on the last bundle's reference image, with its overlay written to `overlay` when given.

@@ -293,9 +293,10 @@ def _check_neck(c: _Config, grid: int) -> None:
         raise c.refuse("vision_config.scale_factors", f"{scales!r}, expected {want} (the model drops the last level; "
                        "the bundle's neck is the three before it)")
     sizes = c.get("vision_config", "backbone_feature_sizes")
-    want = [[4 * grid] * 2, [2 * grid] * 2, [grid] * 2]
-    if sizes != want:
-        raise c.refuse("vision_config.backbone_feature_sizes", f"{sizes!r}, expected {want} for a {grid}x{grid} grid")
+    want_sizes = [[4 * grid] * 2, [2 * grid] * 2, [grid] * 2]
+    if sizes != want_sizes:
+        raise c.refuse("vision_config.backbone_feature_sizes",
+                       f"{sizes!r}, expected {want_sizes} for a {grid}x{grid} grid")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 _F32 = np.float32
 
@@ -20,7 +21,7 @@ _ERFC_COEFS = (
 )
 
 
-def f32(x: np.ndarray) -> np.ndarray:
+def f32(x: npt.ArrayLike) -> np.ndarray:
     """``x`` as float32; bf16 input (an ml_dtypes ``bfloat16`` array or uint16 bit patterns) is widened exactly.
 
     uint16 always means bf16 bit patterns here, never integers.
@@ -59,7 +60,7 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return from_bf16(to_bf16(x))
 
 
-def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+def layer_norm(x: np.ndarray, w: npt.ArrayLike, b: npt.ArrayLike, eps: float) -> np.ndarray:
     """LayerNorm over the last axis: mean, then the two-pass biased variance, then (x - mean)/sqrt(var + eps)*w + b."""
     x = f32(x)
     centred = x - x.mean(axis=-1, keepdims=True, dtype=_F32)

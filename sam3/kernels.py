@@ -19,7 +19,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -87,11 +87,16 @@ class StreamError(ValueError):
 class GemmGeometry(Protocol):
     """What gemm_stream reads of a GEMM (the bundle's GemmSpec and the builder's shapes have these)."""
 
-    m: int
-    k: int
-    n: int
-    lda: int
-    b_bytes: int
+    @property
+    def m(self) -> int: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def lda(self) -> int: ...
+    @property
+    def b_bytes(self) -> int: ...
 
 
 def gemm_stream(dev_gen: int, spec: GemmGeometry, mode: int, cores: int = CORES, *, key: str) -> bytes:
@@ -213,7 +218,7 @@ def epilogue_mode(stream: bytes | bytearray | memoryview | np.ndarray) -> int:
         TypeError: an array that is not uint32.
     """
     words = _words(stream)
-    modes = []
+    modes: list[int] = []
     while (at := CORE_BLOCK_WORDS * len(modes)) + _MODE_SIZE_WORD < len(words):
         if (words[at + _MODE_ADDR_WORD] & _LOW12) != _MODE_ADDR_LOW or words[at + _MODE_SIZE_WORD] != _WRITE32_BYTES:
             break
@@ -253,7 +258,7 @@ def stream_extents(stream: bytes | bytearray | memoryview) -> dict[int, int]:
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _positive(**values: int) -> None:
+def _positive(**values: object) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -331,10 +336,10 @@ class BCache:
             raise ValueError(f"BCache budget must be a non-negative int, got {budget!r}")
         self.budget = budget
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
+        self._entries: OrderedDict[tuple[Any, ...], tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
         self._bytes = 0
 
-    def get(self, key: tuple, decode: Callable[[], tuple[np.ndarray, np.ndarray | None]]
+    def get(self, key: tuple[Any, ...], decode: Callable[[], tuple[np.ndarray, np.ndarray | None]]
             ) -> tuple[np.ndarray, np.ndarray | None]:
         """The entry of `key`, decoding (outside the lock) and inserting it when absent."""
         with self._lock:
@@ -429,7 +434,7 @@ class FlmGemm:
 
     def weights(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(B f32 [k, n], bias f32 [n] or None) of a packed buffer view, decoded once per buffer content."""
-        key = (packed.ctypes.data, packed.nbytes, zlib.crc32(packed), self.k, self.n, self.tile_k, self.tile_n,
+        key = (packed.ctypes.data, packed.nbytes, zlib.crc32(packed.data), self.k, self.n, self.tile_k, self.tile_n,
                self.ct_k, self.bias)
         return self.cache.get(key, lambda: self._decode(packed))
 
@@ -475,6 +480,8 @@ class IronMha:
         if form not in MHA_FORMS:
             raise ValueError(f"IronMha: form {form!r} unknown ({', '.join(MHA_FORMS)})")
         if form == "strided":
+            if dim is None:
+                raise ValueError("IronMha strided: dim (the model width) must be a positive int, got None")
             _positive(dim=dim)
             if dim % d or heads % (dim // d):
                 raise ValueError(f"IronMha strided: dim={dim} must be a multiple of d={d} whose head count "
@@ -489,13 +496,19 @@ class IronMha:
     @property
     def tokens(self) -> int:
         """Tokens of the strided form: windows * seq."""
-        return self.heads * self.seq // (self.dim // self.d) if self.form == "strided" else self.seq
+        return self.heads * self.seq // (self._width() // self.d) if self.form == "strided" else self.seq
+
+    def _width(self) -> int:
+        """`dim`, which the strided form needs (checked at construction; refused if set to None since)."""
+        if self.dim is None:
+            raise ValueError(f"{self.name}: the strided form needs dim, the model width, and it is None")
+        return self.dim
 
     def needs(self) -> list[int]:
         """Bytes each of q, k, v, o must hold."""
         if self.form == "packed":
             return [self.heads * self.seq * self.d * _BF16_BYTES] * 4
-        t, dim = self.tokens, self.dim
+        t, dim = self.tokens, self._width()
         return [t * 2 * dim * _BF16_BYTES] * 2 + [t * 3 * dim * _BF16_BYTES, t * dim * _BF16_BYTES]
 
     def __call__(self, args: dict[int, np.ndarray]) -> None:
@@ -516,7 +529,7 @@ class IronMha:
             if self.token_major:
                 return _bf16(view, (s, h, d)).transpose(1, 0, 2).astype(np.float32)
             return _bf16(view, (h, s, d)).astype(np.float32)
-        dim, t = self.dim, self.tokens
+        dim, t = self._width(), self.tokens
         if which == "v":
             cols = _bf16(view, (t, 3 * dim))[:, 2 * dim:]
         else:
@@ -532,7 +545,7 @@ class IronMha:
             else:
                 _bf16(view, (h, s, d))[...] = o
             return
-        hh = self.dim // d
+        hh = self._width() // d
         out = _bf16(view, (self.tokens // s, s, hh, d))
         out[...] = o.reshape(self.tokens // s, hh, s, d).transpose(0, 2, 1, 3)
 

@@ -13,7 +13,7 @@ import numpy as np
 from amdxdna_direct.bo import Bo
 from sam3.bundle import Bundle
 from sam3.decoder import attention, layer_norm, linear, mlp
-from sam3.detr import fold, prompt_softmax
+from sam3.detr import Fold, fold, prompt_softmax
 from sam3.neck import reference_conv
 from sam3.npu import Io, Npu, NpuError, push
 from sam3.pack import conv_input, conv_output, from_bf16, pack_b, round_bf16
@@ -181,7 +181,7 @@ class MaskDecoder:
         self.head = npu.io("m_head", g.size * g.size)
         self.head_slot = npu.weight_slot("m_head")
         self.convs = convs if convs is not None else {}
-        self.folded = None
+        self.folded: Fold | None = None
 
     def set_prompt(self, feats: np.ndarray) -> None:
         """Folds `m.ca` for prompt features `feats` `[text_len, d]` and packs it into the slots (docs/sam3-segment.md
@@ -194,12 +194,12 @@ class MaskDecoder:
         f = np.asarray(feats, _F32)
         if f.shape != (g.length, g.d):
             raise ValueError(f"feats must be [{g.length}, {g.d}] (text_len x d_model), got {list(np.shape(feats))}")
-        self.folded = fold(b, 0, f, "m.ca")
+        self.folded = folded = fold(b, 0, f, "m.ca")
         ds, dc = b.gemms["d_s"], b.gemms["d_c"]
-        _fill(self.slots[0], pack_b(self.folded.s, self.folded.s_bias if ds.bias else None, ds.tile_k, ds.tile_n,
-                                    ds.ct_k), "d_s")
-        _fill(self.slots[1], pack_b(self.folded.c, self.folded.c_bias if dc.bias else None, dc.tile_k, dc.tile_n,
-                                    dc.ct_k), "d_c")
+        _fill(self.slots[0], pack_b(folded.s, folded.s_bias if ds.bias else None, ds.tile_k, ds.tile_n, ds.ct_k),
+              "d_s")
+        _fill(self.slots[1], pack_b(folded.c, folded.c_bias if dc.bias else None, dc.tile_k, dc.tile_n, dc.ct_k),
+              "d_c")
 
     def _gemm(self, io: Io, a: np.ndarray, weights: Bo, rows: int) -> np.ndarray:
         io.set_a(a)
@@ -207,8 +207,14 @@ class MaskDecoder:
         return from_bf16(io.get_c(rows))
 
     def cross(self, enc: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        """p = enc + cross-attention(m.ca_ln(enc)) to the prompt last set, on d_s / d_c."""
+        """p = enc + cross-attention(m.ca_ln(enc)) to the prompt last set, on d_s / d_c.
+
+        Raises:
+            NpuError: no prompt was set, or a kernel failed.
+        """
         b, f = self.npu.bundle, self.folded
+        if f is None:
+            raise NpuError("mask decoder: set_prompt(feats) first (the cross-attention is folded per prompt)")
         scores = self._gemm(self.s, layer_norm(b, "m.ca_ln", enc), self.slots[0], self.tokens)
         if not b.gemms["d_s"].bias:
             scores = scores + f.s_bias
@@ -219,11 +225,15 @@ class MaskDecoder:
         return enc + out
 
     def conv(self, side: int, x: np.ndarray, stage: int) -> np.ndarray:
-        """3x3 convolution `m.conv<stage>` (zero padding 1) of a `[side^2, d]` map on the NPU, + `m.conv<stage>.b`."""
+        """3x3 convolution `m.conv<stage>` (zero padding 1) of a `[side^2, d]` map on the NPU, + `m.conv<stage>.b`.
+
+        Raises:
+            NpuError: the operand set kept for `side` is not a convolution's, or the kernel failed.
+        """
         io = self.convs.get(side)
         if io is None:
             io = self.convs[side] = self.npu.conv_io("conv", side, side)
-        geom = io.conv
+        geom = io.conv_geometry()
         io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
         self.npu.run(io, self.npu.weights(f"m.conv{stage}"))
         bias = self.npu.bundle.tensors.get(f"m.conv{stage}.b", "f32")

@@ -53,11 +53,15 @@ class Neck:
         self.convs = convs if convs is not None else {}
 
     def conv(self, side: int, x: np.ndarray, weights: str, bias: str) -> np.ndarray:
-        """3x3 convolution (zero padding 1) of a `[side^2, C]` map with bundle operand `weights` + host `bias`."""
+        """3x3 convolution (zero padding 1) of a `[side^2, C]` map with bundle operand `weights` + host `bias`.
+
+        Raises:
+            NpuError: the operand set kept for `side` is not a convolution's, or the kernel failed.
+        """
         io = self.convs.get(side)
         if io is None:
             io = self.convs[side] = self.npu.conv_io("conv", side, side)
-        geom = io.conv
+        geom = io.conv_geometry()
         io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
         self.npu.run(io, self.npu.weights(weights))
         c = from_bf16(io.get_c(io.rows))

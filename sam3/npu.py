@@ -19,12 +19,12 @@ import math
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -155,7 +155,18 @@ class Io:
         self.n = spec.n
         self.chained_from = chained_from
         self.conv = conv
-        self._units: dict[Any, tuple[tuple[Bo, ...], Any]] = {}
+        self._units: _UnitCache = {}
+
+    def conv_geometry(self) -> ConvGeometry:
+        """The 3x3 convolution layout of an operand set made by `Npu.conv_io`.
+
+        Raises:
+            NpuError: this operand set is not a convolution's (made by `Npu.io` or `Npu.io_chained`).
+        """
+        if self.conv is None:
+            raise NpuError(f"{self.key}: this operand set of {self.rows} rows has no convolution geometry (make it "
+                           "with Npu.conv_io)", self.key)
+        return self.conv
 
     @property
     def chained(self) -> bool:
@@ -211,7 +222,7 @@ class MhaIo:
         self.key = spec.key
         self.spec = spec
         self.q, self.k, self.v, self.o = buffers
-        self._units: dict[Any, tuple[tuple[Bo, ...], Any]] = {}
+        self._units: _UnitCache = {}
 
     def set_qkv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
         """Pushes q, k, v (bf16 bits or floats, at most `elems` each, in the kernel's layout); returns bytes.
@@ -275,15 +286,16 @@ def _max_contexts(value: int | None) -> int | None:
     A cap below 1 is refused: the reference's pre-eviction loop could never make room and would spin.
     """
     source = "max_contexts"
+    given: object = value
     if value is None:
         text = os.environ.get(ENV_MAX_CONTEXTS, "").strip()
         if not text:
             return None
         source = ENV_MAX_CONTEXTS
-        value = int(text) if text.isascii() and text.isdigit() else text  # isdigit alone takes "²"
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}={value!r}: expected a positive integer (at least one resident context)")
-    return value
+        given = int(text) if text.isascii() and text.isdigit() else text  # isdigit alone takes "²"
+    if isinstance(given, bool) or not isinstance(given, int) or given <= 0:
+        raise ValueError(f"{source}={given!r}: expected a positive integer (at least one resident context)")
+    return given
 
 
 def _chains(value: bool | None) -> bool:
@@ -298,19 +310,24 @@ def _chains(value: bool | None) -> bool:
     raise ValueError(f"{ENV_CHAINS}={text!r}: expected 0 (one run at a time, as the reference) or 1 (chains)")
 
 
-def _exclusive(method: Callable[..., Any]) -> Callable[..., Any]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _exclusive(method: Callable[Concatenate[Npu, _P], _R]) -> Callable[Concatenate[Npu, _P], _R]:
     """Runs `method` holding the Npu's lock: loading, evicting and running share the context table and the
     LRU, and an eviction must not destroy a context another thread is about to submit to (the reference's
     `&mut self`)."""
     @functools.wraps(method)
-    def locked(self: Npu, *args: Any, **kwargs: Any) -> Any:
+    def locked(self: Npu, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
 
 
 _Unit = Any  # a Run, a RunList (ERT_CMD_CHAIN packets over several), or a tuple of Runs (SAM3_CHAINS=0)
-_UnitCache = dict[Any, tuple[tuple[Bo, ...], _Unit]]
+# A cached unit under its key: (the buffers it pins, then the instruction stream it was built from; the unit).
+_UnitCache = dict[Any, tuple[tuple[Bo | bytes, ...], _Unit]]
 
 
 def _unit_runs(unit: _Unit) -> Sequence[Run]:
@@ -361,7 +378,7 @@ class Npu:
         XdnaError: the device could not be opened.
     """
 
-    def __init__(self, bundle: Bundle | str | os.PathLike, device: Any = None, *, max_contexts: int | None = None,
+    def __init__(self, bundle: Bundle | str | os.PathLike[str], device: Any = None, *, max_contexts: int | None = None,
                  chains: bool | None = None, evict: str = "lru", timeout: float = DEFAULT_TIMEOUT):
         if evict not in EVICTION_POLICIES:
             raise ValueError(f"evict must be one of {EVICTION_POLICIES}, got {evict!r}")
@@ -404,7 +421,7 @@ class Npu:
         self.stages: list[Stage] = []
         # Seconds from each submission to its completion, in all and by kernel key (the "npu" part of a timing).
         self.device_seconds = 0.0
-        self.kernel_seconds: Counter[str] = Counter()
+        self.kernel_seconds: defaultdict[str, float] = defaultdict(float)
         if self.device.emulator is not None:
             from sam3 import kernels
 
@@ -765,12 +782,12 @@ class Npu:
                 unit = RunList(resident.ctx, runs) if self.chains else tuple(runs)
         except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or too many buffers
             raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
-        cache[ident] = ((*pins, stream), unit)  # type: ignore[arg-type]
+        cache[ident] = ((*pins, stream), unit)
         while len(cache) > UNIT_CACHE:
             _release_unit(cache.pop(next(iter(cache)))[1])
         return unit
 
-    def _operand(self, key: str | None, obj: Any, cls: type, what: str) -> None:
+    def _operand(self, key: str | None, obj: object, cls: type[Io] | type[MhaIo], what: str) -> None:
         """`obj` must be a `cls` (Io or MhaIo) made on this Npu's device."""
         if not isinstance(obj, cls):
             raise TypeError(f"{key or 'Npu'}: {what} must be an {cls.__name__}, got {type(obj).__name__}")
@@ -952,7 +969,8 @@ class Npu:
             XdnaError: a release ioctl failed (everything else was still released).
         """
         self._closed = True
-        steps: list[Callable[[], None]] = [lambda c=ctx: self._release_context(c) for ctx in list(self._contexts)]
+        release = self._release_context
+        steps: list[Callable[[], None]] = [functools.partial(release, ctx) for ctx in list(self._contexts)]
         steps += [bo.close for bo in self._weights.values()]
         self._weights = {}
         self._lru = []

@@ -13,7 +13,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, SupportsIndex
 
 import ml_dtypes
 import numpy as np
@@ -152,7 +152,7 @@ def decode_blocks(blocks: np.ndarray) -> np.ndarray:
 
 def _int(name: str, value: object, minimum: int = 1) -> int:
     """`value` as an int >= `minimum` (numpy integers accepted, bools and floats refused)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
         raise PackError(f"{name} must be an integer, got {value!r}")
     try:
         v = operator.index(value)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from sam3 import detr, mask, neck, post, preprocess, text, vit
 from sam3.bundle import Bundle
 from sam3.npu import DEFAULT_TIMEOUT, Npu
 from sam3.tokenizer import ClipTokenizer
+
+_Args = TypeVarTuple("_Args")
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -106,7 +109,7 @@ class Sam3:
         XdnaError: the device could not be opened.
     """
 
-    def __init__(self, bundle: Bundle | str | os.PathLike, device: Any = None, *, max_contexts: int | None = None,
+    def __init__(self, bundle: Bundle | str | os.PathLike[str], device: Any = None, *, max_contexts: int | None = None,
                  chains: bool | None = None, timeout: float = DEFAULT_TIMEOUT):
         self.npu = Npu(bundle, device, max_contexts=max_contexts, chains=chains, timeout=timeout)
         try:
@@ -155,7 +158,7 @@ class Sam3:
         rgb = np.asarray(image)
         if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or 0 in rgb.shape:
             raise preprocess.ImageError(f"an image array must be uint8 [H, W, 3], got {rgb.dtype} {list(rgb.shape)}")
-        return ("array", rgb.shape, zlib.crc32(np.ascontiguousarray(rgb)))
+        return ("array", rgb.shape, zlib.crc32(np.ascontiguousarray(rgb).data))
 
     @staticmethod
     def _load(image: Any) -> np.ndarray:
@@ -212,7 +215,7 @@ class Sam3:
         for name, value in (("threshold", threshold), ("mask threshold", mask_threshold)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise post.PostError(f"{name} must be a number in [0, 1], got {value!r}")
-        npu_before = Counter(self.npu.kernel_seconds)
+        npu_before = dict(self.npu.kernel_seconds)
         loads, evictions = self.npu.loads, self.npu.evictions
         encoded = None
         if self._image is not None and self._image_key == self._key(image):
@@ -225,15 +228,14 @@ class Sam3:
             encoded = self.encode_prompt(prompt)
             timing.add("text", time.perf_counter() - start)
         result = self._prompt_side(features, encoded, timing, threshold, mask_threshold)
-        spent = Counter(self.npu.kernel_seconds)
-        spent.subtract(npu_before)
+        spent = {k: v - npu_before.get(k, 0.0) for k, v in self.npu.kernel_seconds.items()}
         timing.npu = {k: v for k, v in spent.items() if v > 0}
         result.loads, result.evictions = self.npu.loads - loads, self.npu.evictions - evictions
         return result
 
     def _prompt_side(self, features: ImageFeatures, prompt: Prompt, timing: Timing, threshold: float,
                      mask_threshold: float) -> Result:
-        def timed(stage: str, fn: Any, *args: Any) -> Any:
+        def timed(stage: str, fn: Callable[[*_Args], _R], *args: *_Args) -> _R:
             start = time.perf_counter()
             out = fn(*args)
             timing.add(stage, time.perf_counter() - start)

@@ -314,7 +314,7 @@ def overlay(rgb: np.ndarray, found: Instances) -> np.ndarray:
     return img
 
 
-def write_overlay(path: str | os.PathLike, rgb: np.ndarray, found: Instances) -> Path:
+def write_overlay(path: str | os.PathLike[str], rgb: np.ndarray, found: Instances) -> Path:
     """Writes `overlay(rgb, found)` to `path`, the format chosen by its extension (Pillow's table). Returns the path.
 
     Raises:

@@ -9,6 +9,7 @@ Each pass is vectorised over the whole image; the only Python loop is over the f
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class Taps:
     precision: int      # fraction bits of the weights
 
 
-def load_rgb(path: str | Path) -> np.ndarray:
+def load_rgb(path: str | os.PathLike[str]) -> np.ndarray:
     """Decode a JPEG or PNG file to RGB8, [H, W, 3] uint8 (alpha composited over white, docs/sam3-host.md 3.1).
 
     Raises:

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
@@ -95,7 +95,9 @@ class ClipTokenizer:
                 raise TokenizerError(f"{name} id {value} is not in the vocabulary ({len(vocab)} tokens)")
         self.length = length
         self.bos, self.eos, self.pad = bos, eos, pad
-        self._tok = _build(dict(vocab), [tuple(m) for m in merges], unknown=by_id[eos])
+        # A merge that is not a pair is refused by the BPE constructor, which _build reports as a TokenizerError.
+        pairs = cast(list[tuple[str, str]], [tuple(m) for m in merges])
+        self._tok = _build(dict(vocab), pairs, unknown=by_id[eos])
         # The special tokens' own text in a prompt stands for them, as in the reference tokenizer.
         self._tok.add_special_tokens([AddedToken(by_id[i], normalized=False, special=True) for i in (bos, eos)])
 

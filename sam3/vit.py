@@ -108,8 +108,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, groups: i
 
 def host_rope_tables(bundle: Bundle, g: Geometry, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """The host RoPE tables `v.rope.<kind>.{cos,sin}` as `[T, half]` float32."""
-    return tuple(bundle.tensors.get(f"v.rope.{kind}.{part}", "f32").reshape(g.tokens, g.half)  # type: ignore[return-value]
-                 for part in ("cos", "sin"))
+    cos, sin = (bundle.tensors.get(f"v.rope.{kind}.{part}", "f32").reshape(g.tokens, g.half) for part in ("cos", "sin"))
+    return cos, sin
 
 
 def _checked_mha(npu: Npu, key: str, g: Geometry, heads: int, seq: int) -> None:

@@ -130,3 +130,15 @@ def test_pixels_of_the_wrong_shape(bundle):
     with Npu(bundle, "emu:npu4") as npu:
         with pytest.raises(ValueError, match=r"pixels must be \[3, "):
             vit.Vit(npu).forward(np.zeros((3, 5, 5), np.float32))
+
+
+def test_stage_misuse_is_named(bundle):
+    from sam3 import mask
+    from sam3.npu import NpuError
+
+    p = bundle.params
+    with Npu(bundle, "emu:npu4") as npu:
+        with pytest.raises(NpuError, match=r"v_o: this operand set of \d+ rows has no convolution geometry"):
+            npu.io("v_o", 1).conv_geometry()
+        with pytest.raises(NpuError, match="mask decoder: set_prompt"):
+            mask.MaskDecoder(npu).cross(np.zeros((p.grid ** 2, p.d_model), np.float32), np.ones(p.text_len, bool))
