@@ -22,7 +22,7 @@ from sam3.npu import NpuError
 SCHEMA = 1
 
 
-class _Parser(argparse.ArgumentParser):
+class UsageParser(argparse.ArgumentParser):
     """argparse that exits 2 with one line on a usage error (as `amdxdna`)."""
 
     def error(self, message: str) -> NoReturn:
@@ -40,10 +40,10 @@ def _version() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The `sam3` argument parser."""
-    p = _Parser(prog="sam3", description="Segment Anything 3 with its heavy layers on an AMD XDNA NPU "
+    p = UsageParser(prog="sam3", description="Segment Anything 3 with its heavy layers on an AMD XDNA NPU "
                                          "(or the emulator), reading IRON's kernel bundles.")
     p.add_argument("--version", action="version", version=f"sam3 (amdxdna-direct) {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=UsageParser)
     d = sub.add_parser("demo", help="the image encoder of a generated bundle on the NPU, checked against numpy",
                        description="Runs the ViT (host and device-resident paths), the neck and the DETR encoder "
                                    "of generated random-weight bundles through the NPU layer on the emulator (or "
@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU, else the emulator)")
     s.add_argument("--json", action="store_true", help="one JSON document; masks as run-length encodings")
     sub.add_parser("build", help="write a generated bundle (sam3 build --help)", add_help=False)
+    sub.add_parser("check", help="check a bundle against its own float32 reference (sam3 check --help)",
+                   add_help=False)
     sub.add_parser("export", help="write a bundle from a transformers SAM3 checkpoint (sam3 export --help)",
                    add_help=False)
     return p
@@ -197,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_warnings()
     if argv[:1] == ["build"]:
         return build_mod.main(argv[1:], prog="sam3 build")
+    if argv[:1] == ["check"]:
+        from sam3 import check
+
+        return check.main(argv[1:], prog="sam3 check")
     if argv[:1] == ["export"]:
         from sam3 import export
 

@@ -203,8 +203,8 @@ def match(reference: np.ndarray, found: np.ndarray) -> tuple[np.ndarray, np.ndar
     if ref.ndim != 3 or got.ndim != 3 or ref.shape[1:] != got.shape[1:]:
         raise PostError(f"match: reference {list(ref.shape)} and found {list(got.shape)} masks must be [n, H, W] "
                         "of the same image size")
-    a = ref.reshape(ref.shape[0], -1).astype(bool)
-    b = got.reshape(got.shape[0], -1).astype(bool)
+    a = ref.reshape(ref.shape[0], int(np.prod(ref.shape[1:]))).astype(bool)  # -1 cannot size an empty set
+    b = got.reshape(got.shape[0], int(np.prod(got.shape[1:]))).astype(bool)
     inter = a.astype(np.float64) @ b.T.astype(np.float64)  # exact: integer counts far below 2^53
     union = a.sum(1)[:, None] + b.sum(1)[None, :] - inter
     iou = np.divide(inter, union, out=np.ones_like(inter), where=union > 0)
