@@ -464,7 +464,7 @@ def test_vit_on_the_emulator_matches_the_reference(bundles, vit):
     from sam3.npu import Npu
 
     b = bundles[vit]
-    px = b.tensors.get("ref.pixel_values", "f32").reshape(3, 168, 168)
+    px = b.tensors.get("ref.pixel_values", "f32").reshape(3, b.params.image_size, b.params.image_size)
     ref = b.tensors.get("ref.vit_out", "f32")
     with Npu(b, "emu:npu4") as npu:
         assert _cos(vit_mod.Vit(npu).forward(px), ref) > 0.98
