@@ -11,6 +11,7 @@ import errno
 import glob
 import logging
 import os
+import struct
 import threading
 import weakref
 from collections import Counter
@@ -28,9 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
-    "ClockMetadata", "FirmwareVersion", "HwContextInfo", "PowerMode", "ResourceInfo", "HeapChunk",
-    "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE", "PCI_GENERATIONS",
-    "TXN_DEV_GEN", "pci_generation",
+    "ClockMetadata", "FirmwareVersion", "HwContextEntry", "HWCTX_ENTRY_SIZE", "decode_hwctx_entries", "PowerMode",
+    "ResourceInfo", "HeapChunk", "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE",
+    "HEAP_MAX_SIZE", "PCI_GENERATIONS", "TXN_DEV_GEN", "pci_generation",
 ]
 
 log = logging.getLogger("amdxdna_direct")
@@ -137,9 +138,19 @@ class FirmwareVersion:
         return f"{self.major}.{self.minor}.{self.patch}.{self.build}"
 
 
+HWCTX_STATE_NAMES = {0: "IDLE", 1: "ACTIVE"}   # amdxdna_drm_hwctx_entry.state (docs/runtime.md 3)
+
+
 @dataclass(frozen=True)
-class HwContextInfo:
-    """One QUERY_HW_CONTEXTS entry."""
+class HwContextEntry:
+    """One hardware context of the device, any process's (docs/runtime.md 3).
+
+    From GET_ARRAY(HW_CONTEXT_ALL) (``source == "GET_ARRAY"``): every field the driver's entry holds,
+    read up to the ``element_size`` the driver returned (144 bytes on mainline, 160 on staging /
+    out-of-tree drivers, which add the process ``name``); a field past that size is None. From
+    GET_INFO(QUERY_HW_CONTEXTS) (``source == "QUERY_HW_CONTEXTS"``, drivers without GET_ARRAY): the
+    first nine fields; the others are None.
+    """
 
     context_id: int
     start_col: int
@@ -150,6 +161,89 @@ class HwContextInfo:
     migrations: int
     preemptions: int
     errors: int
+    hwctx_id: int | None = None             # the firmware's context id
+    priority: int | None = None             # qos priority (AMDXDNA_QOS_*_PRIORITY)
+    heap_usage: int | None = None           # bytes of the fd's heap the context's own buffers take
+    suspensions: int | None = None
+    state: int | None = None                # 0 IDLE, 1 ACTIVE
+    pasid: int | None = None
+    gops: int | None = None                 # the QoS the context was created with ...
+    fps: int | None = None
+    dma_bandwidth: int | None = None
+    latency: int | None = None
+    frame_exec_time: int | None = None      # ... down to here
+    txn_op_idx: int | None = None           # health: the TXN op the firmware was at
+    ctx_pc: int | None = None
+    fatal_error_type: int | None = None
+    fatal_error_exception_type: int | None = None
+    fatal_error_exception_pc: int | None = None
+    fatal_error_app_module: int | None = None
+    name: str | None = None                 # the process name (160-byte entries only)
+    element_size: int = 0                   # bytes per entry as the driver returned them
+    source: str = "GET_ARRAY"
+
+    @property
+    def state_name(self) -> str | None:
+        """``IDLE`` / ``ACTIVE`` (``STATE_<n>`` for another value), None when the driver did not say."""
+        if self.state is None:
+            return None
+        return HWCTX_STATE_NAMES.get(self.state, f"STATE_{self.state}")
+
+
+# GET_ARRAY(HW_CONTEXT_ALL) entry fields in struct order, from the cdef (docs/runtime.md 3).
+_ENTRY_CTYPE = "struct amdxdna_drm_hwctx_entry"
+_QUERY_FIELDS = ("context_id", "start_col", "num_col", "pid", "command_submissions", "command_completions",
+                 "migrations", "preemptions", "errors")
+HWCTX_ENTRY_SIZE = abi.ffi.sizeof(_ENTRY_CTYPE)
+#: GET_ARRAY's element count limit (AMDXDNA_MAX_NUM_ELEMENT, docs/runtime.md 3).
+MAX_ARRAY_ELEMENTS = 1024
+
+
+def _entry_layout() -> tuple[tuple[str, int, str], ...]:
+    """(field, offset, struct format) for every field of the entry but ``pad``."""
+    formats = {1: "B", 4: "I", 8: "Q"}
+    out = []
+    for name, field in abi.ffi.typeof(_ENTRY_CTYPE).fields:
+        if name == "pad":
+            continue
+        ctype = field.type
+        if ctype.kind == "array":
+            out.append((name, field.offset, f"{ctype.length}s"))
+        else:
+            fmt = formats[abi.ffi.sizeof(ctype)]
+            out.append((name, field.offset, fmt.lower() if ctype.cname.startswith("int") else fmt))
+    return tuple(out)
+
+
+_ENTRY_LAYOUT = _entry_layout()
+
+
+def decode_hwctx_entries(raw: bytes | bytearray | memoryview, element_size: int, count: int) -> list[HwContextEntry]:
+    """Decode ``count`` GET_ARRAY(HW_CONTEXT_ALL) entries of ``element_size`` bytes each from ``raw``.
+
+    Entry ``i`` starts at ``i * element_size``; a field is read only if it lies wholly inside the first
+    ``element_size`` bytes of the entry (else it is None): 144-byte mainline entries have no ``name``.
+
+    Raises:
+        ValueError: ``element_size`` does not cover the nine fields every driver has, or ``raw`` is
+            shorter than ``count * element_size``.
+    """
+    minimum = max(off + struct.calcsize(fmt) for name, off, fmt in _ENTRY_LAYOUT if name in _QUERY_FIELDS)
+    if element_size < minimum:
+        raise ValueError(f"hwctx entries of {element_size} bytes: an entry holds at least {minimum}")
+    if count < 0 or len(raw) < count * element_size:
+        raise ValueError(f"{count} hwctx entries of {element_size} bytes need {count * element_size} bytes, "
+                         f"got {len(raw)}")
+    view = memoryview(raw).cast("B")
+    covered = [(name, off, fmt) for name, off, fmt in _ENTRY_LAYOUT if off + struct.calcsize(fmt) <= element_size]
+    entries = []
+    for i in range(count):
+        base = i * element_size
+        values = {name: struct.unpack_from("<" + fmt, view, base + off)[0] for name, off, fmt in covered}
+        if isinstance(values.get("name"), bytes):
+            values["name"] = values["name"].split(b"\0", 1)[0].decode(errors="replace")
+        entries.append(HwContextEntry(**values, element_size=element_size, source="GET_ARRAY"))
+    return entries
 
 
 POWER_MODE_NAMES = {0: "DEFAULT", 1: "LOW", 2: "MEDIUM", 3: "HIGH", 4: "TURBO"}
@@ -620,22 +714,54 @@ class Device:
         r = self._get_info("DRM_AMDXDNA_QUERY_RESOURCE_INFO", "struct amdxdna_drm_get_resource_info")[0]
         return ResourceInfo(r.npu_clk_max, r.npu_tops_max, r.npu_task_max, r.npu_tops_curr, r.npu_task_curr)
 
-    def hw_contexts(self, max_entries: int = 64) -> list[HwContextInfo]:
-        """GET_INFO QUERY_HW_CONTEXTS: every context on the device.
+    def hw_contexts(self, max_entries: int = 64) -> list[HwContextEntry]:
+        """Every hardware context on the device (all processes'), as the driver describes them.
 
-        The returned buffer_size has changed meaning across versions (spec 10), so entries are counted
-        by what can be verified: context ids start at 1, a zeroed slot is unused.
+        GET_ARRAY(HW_CONTEXT_ALL) with room for ``max_entries`` entries of ``HWCTX_ENTRY_SIZE`` (160)
+        bytes; the driver writes min(160, its entry size) bytes per entry and returns that size, which
+        indexes the entries (144 on mainline, 160 on staging / out-of-tree drivers). A driver without
+        GET_ARRAY (feature level 0.0, Linux 6.14-6.17: EINVAL for the absent ioctl; EOPNOTSUPP) is asked
+        GET_INFO(QUERY_HW_CONTEXTS) instead: its entries carry ``source == "QUERY_HW_CONTEXTS"`` and only
+        the nine fields that query has (docs/runtime.md 3).
 
         Raises:
-            ValueError: ``max_entries`` is not an int in 1..4096.
-            XdnaError: the query failed.
+            ValueError: ``max_entries`` is not an int in 1..1024 (the driver's GET_ARRAY limit).
+            XdnaError: the query failed, or the driver answered an element size or count that does not fit
+                what was asked (EPROTO, naming the values).
         """
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 1 <= max_entries <= 4096:
-            raise ValueError(f"hw_contexts: max_entries must be an int in 1..4096, got {max_entries!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) \
+                or not 1 <= max_entries <= MAX_ARRAY_ELEMENTS:
+            raise ValueError(f"hw_contexts: max_entries must be an int in 1..{MAX_ARRAY_ELEMENTS}, got {max_entries!r}")
+        try:
+            return self._context_array(max_entries)
+        except XdnaError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
         out = self._get_info("DRM_AMDXDNA_QUERY_HW_CONTEXTS", "struct amdxdna_drm_query_hwctx", max_entries)
-        return [HwContextInfo(e.context_id, e.start_col, e.num_col, e.pid, e.command_submissions,
-                              e.command_completions, e.migrations, e.preemptions, e.errors)
+        size = abi.ffi.sizeof("struct amdxdna_drm_query_hwctx")
+        # The returned buffer_size changed meaning across versions (spec 10): entries are counted by what
+        # can be verified, context ids start at 1 and a zeroed slot is unused.
+        return [HwContextEntry(*(getattr(e, name) for name in _QUERY_FIELDS), element_size=size,
+                               source="QUERY_HW_CONTEXTS")
                 for e in out if e.context_id != 0]
+
+    def _context_array(self, max_entries: int) -> list[HwContextEntry]:
+        ffi = abi.ffi
+        buf = ffi.new("uint8_t[]", HWCTX_ENTRY_SIZE * max_entries)
+        req = abi.new("struct amdxdna_drm_get_array", param=abi.DRM_AMDXDNA_HW_CONTEXT_ALL,
+                      element_size=HWCTX_ENTRY_SIZE, num_element=max_entries, buffer=abi.address_of(buf))
+        fields = {"param": "HW_CONTEXT_ALL", "element_size": HWCTX_ENTRY_SIZE, "num_element": max_entries}
+        self.file.ioctl(abi.DRM_IOCTL_AMDXDNA_GET_ARRAY, req, fields)
+        size, count = int(req.element_size), int(req.num_element)
+        if count and not 0 < size <= HWCTX_ENTRY_SIZE or count > max_entries:
+            raise ioctl_error("GET_ARRAY", fields, errno.EPROTO,
+                              f"the driver answered element_size={size}, num_element={count}")
+        if not count:
+            return []
+        try:
+            return decode_hwctx_entries(ffi.buffer(buf), size, count)
+        except ValueError as exc:
+            raise ioctl_error("GET_ARRAY", fields, errno.EPROTO, str(exc)) from exc
 
     # -- the device heap -----------------------------------------------------------------------
 
