@@ -33,7 +33,7 @@ from emu_raw import (
     ERT_STATE_NEW,
     ERT_STATE_TIMEOUT,
     Gate,
-    Raw,
+    Npu,
     UserMem,
     call,
     chain_packet,
@@ -42,6 +42,7 @@ from emu_raw import (
     packet,
     read_addr,
     regmap,
+    run_one,
     state_of,
     txn_stream,
     write_addr,
@@ -93,7 +94,8 @@ def test_txn_walk_npu2_fixture_and_generation_check():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda w: w.__setitem__(4, 0x07), "unknown TXN opcode 0x7"),
+    (lambda w: w.__setitem__(4, 0x7F), "unknown TXN opcode 0x7f"),
+    (lambda w: w.__setitem__(4, 0x07), "opcode 0x7 declares 1 bytes"),     # MASKPOLL_BUSY: 7 words, size in the 7th
     (lambda w: w.__setitem__(9, 28), "declares 28 bytes"),
     (lambda w: w.__setitem__(2, 99), "ends after"),
     (lambda w: w.__setitem__(3, 400), "does not fit"),
@@ -291,67 +293,6 @@ def test_registry_binding_rules():
 ERT_START_DPU = 18
 
 
-class Npu:
-    """One emulated device, one fd with its heap, and helpers for the XRT-shaped sequence."""
-
-    def __init__(self, profile: str = "npu4", tdr: float | None = 2.0, **options):
-        if tdr is not None:
-            options["tdr_timeout"] = tdr
-        self.dev = EmuDevice(profile, **options)
-        self.seam = self.dev.open()
-        self.raw = Raw(self.seam)
-        self.heap, self.heap_va = self.raw.heap()
-        self.gen = 3 if profile == "npu1" else 4
-
-    def context(self, cus: int = 1, pdi: bytes = b"\xdd" * 256, num_tiles: int = 4) -> tuple[int, int]:
-        ctx, syncobj = self.raw.create_hwctx(num_tiles=num_tiles)
-        handles = []
-        for _ in range(cus):
-            handle, info = self.raw.dev_bo(len(pdi))
-            write_addr(info.vaddr, pdi)
-            handles.append(handle)
-        self.raw.config_cu(ctx, [(h, 0) for h in handles])
-        return ctx, syncobj
-
-    def instr(self, stream: bytes) -> tuple[int, int]:
-        """Instruction stream in a DEV BO: (handle, device address)."""
-        handle, info = self.raw.dev_bo(len(stream))
-        write_addr(info.vaddr, stream)
-        return handle, info.xdna_addr
-
-    def data(self, nbytes: int, content: bytes = b"") -> tuple[int, int]:
-        """A mapped SHMEM BO: (handle, address = the device address under SVA)."""
-        handle, addr = self.raw.shmem(max(4096, (nbytes + 4095) // 4096 * 4096))
-        write_addr(addr, content)
-        return handle, addr
-
-    def cmd(self, content: bytes, size: int = 4096) -> tuple[int, int]:
-        handle, addr = self.raw.shmem(size, BO_CMD)
-        write_addr(addr, content)
-        return handle, addr
-
-    def passthrough(self, nbytes: int = 64, tag: int = 0, model=None) -> dict:
-        """A bound passthrough stream with input/output buffers and a ready ERT_START_CU packet."""
-        stream = txn_stream(self.gen, [(0, nbytes), (1, nbytes)], tag=tag)
-        self.dev.models.bind(stream, model or Passthrough())
-        ins, iaddr = self.instr(stream)
-        src = bytes((tag + i) % 251 + 1 for i in range(nbytes))
-        a, a_addr = self.data(nbytes, src)
-        b, b_addr = self.data(nbytes)
-        words = regmap(iaddr, len(stream) // 4, [a_addr, b_addr], nslots=5)
-        cmd, cmd_addr = self.cmd(packet(ERT_START_CU, words))
-        return dict(stream=stream, src=src, out=b_addr, cmd=cmd, cmd_addr=cmd_addr, args=[ins, a, b], words=words,
-                    nbytes=nbytes)
-
-    def exec(self, ctx: int, job: dict) -> int:
-        return self.raw.exec_cmd(ctx, job["cmd"], job["args"])
-
-    def close(self) -> None:
-        self.seam.close()
-        check_released(self.dev)
-        self.dev.close()
-
-
 def words_at(addr: int, count: int, offset: int = 0) -> tuple[int, ...]:
     return struct.unpack(f"<{count}I", read_addr(addr + offset, 4 * count))
 
@@ -367,12 +308,6 @@ def npus():
     yield make
     for npu in made:
         npu.close()
-
-
-def run_one(npu: Npu, ctx: int, syncobj: int, job: dict) -> int:
-    seq = npu.exec(ctx, job)
-    npu.raw.timeline_wait(syncobj, seq)
-    return state_of(job["cmd_addr"])
 
 
 def xclbin_pdi(data: bytes) -> bytes:

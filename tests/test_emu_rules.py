@@ -679,10 +679,10 @@ def test_rule_I5(raw):
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 200, 8)
     assert (size, count) == (HWCTX_ENTRY_SIZE, 3)
     assert [struct.unpack_from("<I", data, i * size)[0] for i in range(3)] == handles
-    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, spec 2.5): columns 0..0, pid, the 4 x 4 KiB command-list
-    # BOs as heap usage, priority HIGH for a zero QoS, state ACTIVE, the process's PASID.
+    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, spec 2.5): columns 0..0, pid, the fd's heap usage (the
+    # 4 x 4 KiB command-list BOs of each of the 3 contexts), priority HIGH for a zero QoS, state ACTIVE, the PASID.
     first = struct.unpack_from("<IIIIqQQQQQQQQII", data)
-    assert first[1:3] == (0, 1) and first[4] == os.getpid() and first[10:12] == (0x180, 4 * PAGE)
+    assert first[1:3] == (0, 1) and first[4] == os.getpid() and first[10:12] == (0x180, 3 * 4 * PAGE)
     assert first[13:] == (1, 1)
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 8, 2)
     assert (size, count) == (8, 2) and struct.unpack_from("<4I", data) == (1, 0, 2, 1)
@@ -946,13 +946,15 @@ def test_layouts_match_the_abi_facts():
         if line.startswith("struct ") and " size=" in line:
             struct_name, size = line[len("struct "):].split(" size=")
             facts[struct_name] = int(size)
-    # The facts hold the staging/OOT 160-byte hwctx_entry and the pre-deadline DRM wait structs; the
-    # emulator models the mainline 144-byte entry and the newer wait structs (spec 2.5, 5).
+    # The facts hold the staging/OOT 160-byte hwctx_entry (hwctx_entry_oot) and the pre-deadline DRM wait structs;
+    # the emulator also models the mainline 144-byte entry, and the newer wait structs (spec 2.5, 5).
     newer = {"amdxdna_drm_hwctx_entry": 144, "drm_syncobj_wait": 40, "drm_syncobj_timeline_wait": 48}
     checked = 0
     for layout in vars(layouts).values():
         if isinstance(layout, layouts.Layout) and layout.name in facts:
-            assert layout.size == newer.get(layout.name, facts[layout.name]), layout.name
+            fact = facts[layout.name]
+            want = fact if layout is layouts.hwctx_entry_oot else newer.get(layout.name, fact)
+            assert layout.size == want, layout.name
             checked += 1
     assert checked >= 30
 

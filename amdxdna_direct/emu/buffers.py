@@ -13,10 +13,14 @@ from .memory import (
     AMDXDNA_BO_DEV_HEAP,
     AMDXDNA_BO_SHMEM,
     AMDXDNA_INVALID_ADDR,
+    BACKING_NAME,
     Bo,
     HeapAllocator,
     HeapWindow,
     Memory,
+    file_key,
+    import_backing,
+    is_bo_backing,
     new_backing,
     page_align,
 )
@@ -50,7 +54,7 @@ class BoIoctls:
         with self.lock:
             bo = client.bos.get(a["handle"])
             if bo is None:
-                raise fail(errno.ENOENT, op, "unknown handle")
+                raise fail(errno.ENOENT, op, "unknown handle (drm_gem_object_lookup)")
             if bo.memfd < 0:
                 raise fail(errno.EOPNOTSUPP, op, f"{bo.kind_name} BOs live inside the heap and are not exported")
             if bo.kind == AMDXDNA_BO_DEV_HEAP and self.profile.expandable_heap:
@@ -62,26 +66,43 @@ class BoIoctls:
             except OSError as exc:      # dma_buf_fd: get_unused_fd_flags fails with EMFILE/ENFILE
                 raise fail(exc.errno, op, "no free file descriptor for the dma-buf") from exc
             os.set_inheritable(fd, not a["flags"] & DRM_CLOEXEC)
-            stat = os.fstat(fd)
-            self.exports[(stat.st_dev, stat.st_ino)] = bo
+            self.exports[bo.file_key] = bo
             a["fd"] = fd
 
     def _ioctl_prime_fd_to_handle(self, client: Client, a: dict) -> None:
+        """drm_gem_prime_fd_to_handle: this fd's handle of the dma-buf if it has one; else the exporting GEM object
+        itself when this device exported it (a new handle on it); else a new BO over the dma-buf's pages."""
         op = f"PRIME_FD_TO_HANDLE(fd={a['fd']})"
         try:
-            stat = os.fstat(a["fd"])
+            key = file_key(a["fd"])
         except OSError as exc:
-            raise fail(errno.EBADF, op, "not an open fd") from exc
+            raise fail(errno.EBADF, op, "not an open fd (dma_buf_get)") from exc
         with self.lock:
-            bo = self.exports.get((stat.st_dev, stat.st_ino))
-            if bo is None or bo.released:
-                raise fail(errno.EINVAL, op, "not a live BO exported by this device (foreign dma-bufs not modelled)")
-            handle = next((h for h, known in client.bos.items() if known is bo), None)
+            handle = next((h for h, known in client.bos.items() if known.file_key == key), None)
             if handle is None:
+                bo = self.exports.get(key)
+                if bo is None or bo.released:
+                    bo = self._imported_bo(a["fd"], key, op)
+                else:
+                    bo.refs += 1
                 handle = Client.lowest_free(client.bos)
+                bo.handle = bo.handle or handle
                 client.bos[handle] = bo
-                bo.refs += 1
             a["handle"] = handle
+
+    def _imported_bo(self, fd: int, key: tuple[int, int], op: str) -> Bo:
+        """A SHMEM BO of this device over another device's exported pages (the importer's GEM object)."""
+        if not is_bo_backing(fd):
+            raise fail(errno.EINVAL, op, "not a dma-buf (only BOs exported by an emulated device are modelled)")
+        try:
+            memfd, backing, view, size = import_backing(fd)
+        except OSError as exc:
+            raise fail(errno.ENOMEM, op, f"mapping the dma-buf: {exc}") from exc
+        bo = Bo(handle=0, kind=AMDXDNA_BO_SHMEM, size=size, mem=view, memfd=memfd, _backing=backing,
+                map_offset=self.next_map_offset, file_key=key)
+        self.next_map_offset += size
+        self.live_bos += 1
+        return bo
 
     # --- BO ioctls (spec 4.4-4.6, 7) ---
 
@@ -105,11 +126,11 @@ class BoIoctls:
         if size > MAX_LFS_FILESIZE:
             raise fail(errno.EINVAL, op, f"size {size:#x} exceeds MAX_LFS_FILESIZE (shmem_file_setup)")
         try:
-            memfd, backing, view = new_backing(size, f"amdxdna-{kind}")
+            memfd, backing, view = new_backing(size, f"{BACKING_NAME}{kind}")
         except OSError as exc:
             raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
         bo = Bo(handle=0, kind=kind, size=size, mem=view, memfd=memfd, _backing=backing,
-                map_offset=self.next_map_offset)
+                map_offset=self.next_map_offset, file_key=file_key(memfd))
         self.next_map_offset += size
         self.live_bos += 1
         return bo

@@ -7,6 +7,7 @@ import logging
 
 from . import layouts as L
 from . import usermem
+from .buffers import DEV_HEAP_CHUNK
 from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, Bo
 from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
 
@@ -40,6 +41,7 @@ class ContextIoctls:
                 raise fail(errno.ENOENT, op, "The client dev heap object not exist")
             if heap.vaddr == AMDXDNA_INVALID_ADDR:
                 raise fail(errno.EINVAL, op, "Invalid dev heap userptr (heap never mapped)")
+            self._check_heap_alignment(client, op)
             internal = self._alloc_ctx_bos(client, op)
             try:
                 ctx = self._admit(client, a, qos, op)
@@ -52,6 +54,18 @@ class ContextIoctls:
             a["handle"], a["syncobj_handle"] = ctx.handle, ctx.syncobj_handle
             if self.profile.drm_minor >= 10:
                 a["umq_doorbell"] = 0xFFFFFFFF      # AMDXDNA_INVALID_DOORBELL_OFFSET on AIE2 (spec 2.1)
+
+    def _check_heap_alignment(self, client: Client, op: str) -> None:
+        """Rule 50 (inferred, docs/emulator.md): the firmware maps the heap's user VA onto its device window and
+        refuses a host address not aligned to the heap size (a power of two here: the size rounded up), which
+        the driver hands it at context creation; an expandable heap's chunks must each be 64 MiB aligned."""
+        for index, chunk in enumerate(client.memory.heaps):
+            if chunk.vaddr == AMDXDNA_INVALID_ADDR:
+                continue
+            align = DEV_HEAP_CHUNK if self.profile.expandable_heap else 1 << (chunk.size - 1).bit_length()
+            if chunk.vaddr % align:
+                raise fail(errno.EINVAL, op, f"heap chunk {index} mapped at {chunk.vaddr:#x}, not aligned to "
+                                             f"{align:#x} (firmware host-buffer mapping; errno inferred)")
 
     def _alloc_ctx_bos(self, client: Client, op: str) -> list[Bo]:
         bos = []

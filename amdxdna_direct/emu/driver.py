@@ -224,6 +224,9 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         max_size = self.profile.dev_heap_max_size
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0 or max_size % DEV_HEAP_CHUNK:
             raise ValueError(f"dev_heap_max_size must be a positive multiple of 64 MiB, got {max_size!r}")
+        if self.profile.hwctx_entry_size not in (L.hwctx_entry.size, L.hwctx_entry_oot.size):
+            raise ValueError(f"hwctx_entry_size must be {L.hwctx_entry.size} (mainline) or {L.hwctx_entry_oot.size} "
+                             f"(staging/out-of-tree), got {self.profile.hwctx_entry_size!r}")
         self.cap_sys_admin = os.geteuid() == 0 if cap_sys_admin is None else cap_sys_admin
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)

@@ -430,6 +430,10 @@ class Firmware:
             job.complete()
 
     def _report_failure(self, job, outcome: _Outcome) -> None:
+        if outcome.state == ERT_CMD_STATE_TIMEOUT:
+            # The app-health report GET_ARRAY HW_CONTEXT_ALL reads back; the emulated firmware has no program
+            # counter or exception codes to give.
+            job.ctx.health = {"txn_op_idx": outcome.txn_op_idx}
         target = outcome.fill if outcome.fill is not None else self._fill_target(job)
         if target is None:
             return
@@ -545,10 +549,16 @@ class Firmware:
         return ERT_CMD_STATE_ERROR
 
     def _prepare(self, job, dispatch: Dispatch) -> Work:
-        instr, nbytes, slots = _regmap(dispatch)
-        bo, offset = job.memory.resolve(instr, nbytes)
+        instr, claimed, what, slots = _regmap(dispatch)
+        bo, offset = job.memory.resolve(instr, txn.HEADER_WORDS * 4)
         if bo.kind != AMDXDNA_BO_DEV:
             raise FirmwareError(f"instruction stream at {instr:#x} is in a {bo.kind_name} BO, not in the heap window")
+        # The firmware takes the stream's length from its TXN header; the command's count only has to cover it
+        # (rule 52: ninstr in words, as the mlir-aie C++ harnesses pass it, or in bytes, as IRON does).
+        nbytes = txn.parse_header(bo.mem[offset:offset + txn.HEADER_WORDS * 4]).size
+        if claimed < nbytes:
+            raise FirmwareError(f"{what} is shorter than the TXN header's size of {nbytes} bytes")
+        bo, offset = job.memory.resolve(instr, nbytes)
         stream = bo.mem[offset:offset + nbytes]     # hashed in place; copied only when first walked
         digest = stream_digest(stream)
         program = self._walk(digest, stream)
@@ -634,30 +644,31 @@ def _chain_handles(packet: Packet) -> list[int]:
     return [h & 0xFFFFFFFF for h in struct.unpack_from(f"<{count}Q", payload, CHAIN_PREAMBLE)]
 
 
-def _regmap(dispatch: Dispatch) -> tuple[int, int, dict[int, int]]:
-    """(instruction address, stream bytes, buffer slots) of a dispatch.
+def _regmap(dispatch: Dispatch) -> tuple[int, int, str, dict[int, int]]:
+    """(instruction address, the most bytes the command's count can mean, that count named, buffer slots).
 
     Raises:
         FirmwareError: a regmap too short for the TXN kernel, another kernel opcode, an empty stream.
     """
     regmap = dispatch.regmap
     if dispatch.opcode == ERT_START_NPU:
-        instr, nbytes = dispatch.instr, dispatch.instr_size
-        if nbytes == 0 or nbytes % 4:
-            raise FirmwareError(f"ERT_START_NPU instruction size {nbytes} is not a positive multiple of 4")
+        instr, claimed = dispatch.instr, dispatch.instr_size
+        if claimed == 0 or claimed % 4:
+            raise FirmwareError(f"ERT_START_NPU instruction size {claimed} is not a positive multiple of 4")
+        what = f"ERT_START_NPU instruction size {claimed}"
     elif len(regmap) < REGMAP_SLOTS:
         raise FirmwareError(f"regmap of {len(regmap)} bytes lacks opcode, instr and ninstr ({REGMAP_SLOTS} bytes)")
     else:
         instr = struct.unpack_from("<Q", regmap, REGMAP_INSTR)[0]
         ninstr = struct.unpack_from("<I", regmap, REGMAP_NINSTR)[0]
-        nbytes = 4 * ninstr
         if ninstr == 0:
             raise FirmwareError("regmap ninstr is 0")
+        claimed, what = 4 * ninstr, f"regmap ninstr {ninstr} (words or bytes)"
     if len(regmap) >= 8 and (op := struct.unpack_from("<Q", regmap)[0]) != AIE2_EXEC_BUFFER_KERNEL_OP_TXN:
         raise FirmwareError(f"regmap kernel opcode {op} is not {AIE2_EXEC_BUFFER_KERNEL_OP_TXN} (TXN)")
     count = max(0, (len(regmap) - REGMAP_SLOTS) // 8)
     slots = {k: struct.unpack_from("<Q", regmap, REGMAP_SLOTS + 8 * k)[0] for k in range(count)}
-    return instr, nbytes, slots
+    return instr, claimed, what, slots
 
 
 def _patched_args(memory, program: txn.TxnProgram, slots: dict[int, int]) -> dict[int, np.ndarray]:

@@ -27,6 +27,7 @@ AMDXDNA_INVALID_ADDR = (1 << 64) - 1
 AIE2_DEVM_BASE = 0x4000000          # device address of the heap (spec 4.4 DEV_HEAP)
 PAGE_SIZE = 4096
 DEV_BO_ALIGN = 32 << 10             # DEV BOs start 32 KiB aligned (spec 4.4 DEV, 7)
+BACKING_NAME = "amdxdna-"           # memfd name prefix of every emulated BO's pages (a dma-buf's fd link shows it)
 
 
 def page_align(size: int) -> int:
@@ -64,6 +65,7 @@ class Bo:
     released: bool = False
     dbg_ctx: object = None           # the context this BO is the debug buffer of (ASSIGN_DBG_BUF)
     fd_memory: Memory | None = None  # DEV BOs: the Memory whose heap they live in
+    file_key: tuple[int, int] = (-1, -1)  # (st_dev, st_ino) of a standalone BO's memfd: its dma-buf identity
     _backing: object = field(default=None, repr=False)
 
     @property
@@ -86,6 +88,42 @@ def new_backing(size: int, name: str) -> tuple[int, object, memoryview]:
         os.close(memfd)
         raise
     return memfd, mapping, memoryview(mapping)
+
+
+def file_key(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of an open file: the same for every dup of a BO's memfd (its exported dma-buf).
+
+    Raises:
+        OSError: `fd` is not an open descriptor.
+    """
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
+
+
+
+def is_bo_backing(fd: int) -> bool:
+    """Whether `fd` is the memfd of an emulated BO, of any EmuDevice (an exported dma-buf)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{BACKING_NAME}")
+    except OSError:
+        return False
+
+
+def import_backing(fd: int) -> tuple[int, object, memoryview, int]:
+    """The importer's own descriptor, kernel view and size of a dma-buf's pages: (memfd, mmap object, view, size).
+
+    Raises:
+        OSError: dup, fstat or mmap failed (the dup is closed again).
+    """
+    memfd = os.dup(fd)
+    try:
+        os.set_inheritable(memfd, False)
+        size = os.fstat(memfd).st_size
+        mapping = _mmap.mmap(memfd, size, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    except OSError:
+        os.close(memfd)
+        raise
+    return memfd, mapping, memoryview(mapping), size
 
 
 def release_backing(bo: Bo) -> None:
@@ -138,7 +176,7 @@ class HeapWindow:
     """
 
     def __init__(self, size: int):
-        self.memfd, self._mapping, self.view = new_backing(size, "amdxdna-heap-window")
+        self.memfd, self._mapping, self.view = new_backing(size, BACKING_NAME + "heap-window")
 
     def chunk_fd(self) -> int:
         """A descriptor of the window file for one chunk BO (closed when the chunk is released)."""

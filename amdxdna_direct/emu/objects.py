@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import usermem
 from .memory import Bo, HeapAllocator, Memory
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class HwCtx:
     next_seq: int = 0
     jobs: dict[int, Job] = field(default_factory=dict)       # seq -> the jobs in flight (fences, BO references)
     destroyed: bool = False
+    # The firmware's app-health report of the context (GET_ARRAY HW_CONTEXT_ALL): set at a TDR timeout.
+    health: dict[str, int] = field(default_factory=dict)
 
     @property
     def inflight(self) -> int:
@@ -184,6 +187,7 @@ class Client:
     def __init__(self, device: EmuDevice):
         self.device = device
         self.pid = os.getpid()
+        self.comm = usermem.process_name()      # the opener's task comm (the OOT hwctx entry's name)
         # SVA binds the process's mm at open: one PASID per process, allocated by the IOMMU (spec 7, open).
         self.pasid = device.pasids.setdefault(self.pid, len(device.pasids) + 1)
         self.memory = Memory(device.lock)

@@ -164,21 +164,27 @@ class QueryIoctls:
     def _array_hwctx_all(self, client: Client, a: dict, op: str) -> None:
         if a["element_size"] > 4096 or a["num_element"] > 1024:
             raise fail(errno.EINVAL, op, "element_size must be 1..4096 and num_element <= 1024")
-        size = min(a["element_size"], L.hwctx_entry.size)
-        entries = [self._hwctx_entry(ctx)[:size] for ctx in self.contexts[:a["num_element"]]]
+        # The driver packs entries at min(element_size, its own sizeof) and fits as many as the caller's
+        # num_element x element_size bytes hold; it hands back that element size and the count written (spec 10).
+        layout = L.hwctx_entry_oot if self.profile.hwctx_entry_size == L.hwctx_entry_oot.size else L.hwctx_entry
+        size = min(a["element_size"], layout.size)
+        capacity = a["num_element"] * a["element_size"] // size
+        entries = [self._hwctx_entry(layout, ctx)[:size] for ctx in self.contexts[:capacity]]
         usermem.write(a["buffer"], b"".join(entries), op + " buffer")
         a["element_size"], a["num_element"] = size, len(entries)
 
-    def _hwctx_entry(self, ctx: HwCtx) -> bytes:
+    def _hwctx_entry(self, layout: L.Layout, ctx: HwCtx) -> bytes:
+        """One amdxdna_drm_hwctx_entry: the context, its fd's heap use, QoS, counters and the firmware's last
+        health record of it (docs/emulator.md, HW_CONTEXT_ALL)."""
         qos = ctx.qos
-        return L.hwctx_entry.pack({
+        return layout.pack({
             "context_id": ctx.handle, "start_col": ctx.start_col, "num_col": ctx.num_col, "hwctx_id": ctx.fw_id,
             "pid": ctx.pid, "command_submissions": ctx.stats["submissions"],
             "command_completions": ctx.stats["completions"], "errors": ctx.stats["errors"],
-            "priority": ctx.priority, "heap_usage": sum(bo.size for bo in ctx.internal_bos),
+            "priority": ctx.priority, "heap_usage": sum(bo.size for bo in ctx.fd.memory.dev_bos.values()),
             "state": AMDXDNA_HWCTX_STATE_ACTIVE, "pasid": ctx.fd.pasid, "gops": qos["gops"], "fps": qos["fps"],
             "dma_bandwidth": qos["dma_bandwidth"], "latency": qos["latency"],
-            "frame_exec_time": qos["frame_exec_time"]})
+            "frame_exec_time": qos["frame_exec_time"], **ctx.health, "name": ctx.fd.comm})
 
     def _array_async_err(self, client: Client, a: dict, op: str) -> None:
         usermem.write(a["buffer"], L.async_error.pack(self.last_async_error), op + " buffer")

@@ -60,6 +60,7 @@ class SubmitIoctls:
                 bo.refs += 1
             try:
                 self._wait_for_slot(ctx, op)
+                _check_unique(arg_bos, arg_handles, op)
             except BaseException:
                 for bo in held:
                     self.unref_bo(bo)
@@ -234,6 +235,21 @@ class SubmitIoctls:
                 else:
                     timeline.add(point, Fence(True))
             self.cond.notify_all()
+
+
+def _check_unique(arg_bos: list[Bo], arg_handles: list[int], op: str) -> None:
+    """Rule 51 (inferred, docs/emulator.md): the job locks every argument BO's reservation
+    (drm_gem_lock_reservations); taking the same BO's ww_mutex twice in one acquire context fails EALREADY.
+
+    Raises:
+        OSError: EALREADY naming the repeated handle and its positions.
+    """
+    first: dict[int, int] = {}
+    for index, bo in enumerate(arg_bos):
+        seen = first.setdefault(id(bo), index)
+        if seen != index:
+            raise fail(errno.EALREADY, op, f"arg {index} (handle {arg_handles[index]}) repeats arg {seen}: a BO's "
+                                           f"reservation is locked once per job (errno inferred)")
 
 
 def _user_array(addr: int, count: int, item_size: int, op: str, what: str) -> bytes:
