@@ -38,7 +38,8 @@ __all__ = [
     "CheckResult", "Identity", "Host", "PciDevice", "ModuleState", "LogLine", "LogRule", "Finding", "LogContext",
     "KernelLog",
     "find_nodes", "node_path", "sysfs_attributes", "hex_attribute", "is_emulated", "bind_model", "scan_pci",
-    "module_state", "reset_ladder", "check_node", "check_permission", "check_memlock", "check_kernel_log",
+    "module_state", "reset_ladder", "stream_extents", "check_node", "check_permission", "check_memlock",
+    "check_kernel_log",
     "parse_kernel_log", "parse_kernel_records", "read_kernel_log", "kernel_log", "classify", "kernel_log_result",
     "check_feature_level", "check_firmware", "check_contexts", "check_self_test", "run_checks", "worst",
 ]
@@ -1172,7 +1173,7 @@ def check_self_test(dev: Device, xclbin: str | os.PathLike[str] | bytes | None =
                            "pass a passthrough design (e.g. mlir-aie passthrough_dmas) with --xclbin and --insts")
     try:
         design, stream = _load_design(xclbin, insts) if xclbin is not None else _emulator_design(dev)
-        extents = _extents(stream)
+        extents = stream_extents(stream)
     except ValueError as exc:
         return CheckResult("self-test", FAIL, f"self-test design unusable: {exc}",
                            "give a passthrough design: `amdxdna xclbin X` and `amdxdna insts I` show what is wrong")
@@ -1206,7 +1207,7 @@ def _emulator_design(dev: Device) -> tuple[Xclbin, insts_mod.Stream]:
     return build_mlir_aie(b"amdxdna doctor self-test PDI\0\0\0\0", column_width=1, n_buffers=2), stream
 
 
-def _extents(stream: insts_mod.Stream) -> dict[int, int]:
+def stream_extents(stream: insts_mod.Stream) -> dict[int, int]:
     """Byte length of each patched buffer: word 0 of the BD whose address word the patch targets (docs/doctor.md 5).
 
     Raises:
