@@ -560,6 +560,14 @@ class Device:
             return None
 
     @property
+    def txn_dev_gen(self) -> int | None:
+        """The TXN header device generation this device's instruction streams must carry (3 NPU1, 4 NPU4/5/6):
+        the emulator's firmware setting, else ``TXN_DEV_GEN`` of ``generation``; None when that is unknown."""
+        if self.emulator is not None:
+            return self.emulator.profile.txn_dev_gen
+        return TXN_DEV_GEN.get(self.generation or "")
+
+    @property
     def emulator(self) -> Any:
         """The ``EmuDevice`` behind this device, or None on real hardware."""
         return self.file.emulator

@@ -22,7 +22,7 @@ from .bo import Bo, unhold
 from .errors import CommandError, CommandTimeout, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
-    from .hwctx import ComputeUnit, HwContext
+    from .hwctx import ComputeUnit, HwContext, Instructions
 
 __all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "NPU_OPCODE_TXN"]
 
@@ -112,11 +112,12 @@ class Kernel:
     def prepare_npu(self, insts: Any, buffers: Sequence[Bo | None]) -> Run:
         """A run in the mlir-aie convention: ``(3, instruction buffer, word count, *buffers)`` (spec 2.2).
 
-        ``insts``: an ``insts.Stream``, bytes, a path or u32 words; uploaded to a DEV buffer once per
-        context (cached by digest). ``buffers`` fill bo0, bo1, ... in order.
+        ``insts``: bytes, a path, u32 words or an ``insts.Stream``; its bytes are uploaded as given to a
+        DEV buffer once per context (cached by digest; ``HwContext.instructions``, docs/runtime.md 1).
+        ``buffers`` fill bo0, bo1, ... in order. ``run.insts`` is the uploaded stream.
 
         Raises:
-            InstsError: the stream is malformed.
+            InstsError: the stream's header is malformed or names another device generation.
             TypeError: ``buffers`` is not a sequence.
             ValueError: more buffers than the kernel declares.
             XdnaError: upload or allocation failed.
@@ -124,8 +125,10 @@ class Kernel:
         if isinstance(buffers, (Bo, str, bytes)) or not isinstance(buffers, Sequence):
             raise TypeError(f"{self.name}: prepare_npu buffers must be a sequence of Bo or None, "
                             f"got {type(buffers).__name__}")
-        instr, nwords = self.ctx.instructions(insts)
-        return self.prepare(NPU_OPCODE_TXN, instr, nwords, *buffers)
+        prepared = self.ctx.instructions(insts)
+        run = self.prepare(NPU_OPCODE_TXN, prepared.bo, prepared.nwords, *buffers)
+        run.insts = prepared
+        return run
 
 
 def _arg_field(kernel: str, device: Any, decl: Any, value: Any) -> tuple[tuple[int, int, int], Bo | None]:
@@ -183,6 +186,7 @@ class Run:
             raise
         self.seq: int | None = None
         self.elapsed: float | None = None
+        self.insts: Instructions | None = None     # set by prepare_npu
         self._t0 = 0.0
         self._clobbered = False
         self._in_flight = False
@@ -321,6 +325,23 @@ class Run:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
         _check_timeout(timeout)
         return self.start().wait(timeout)
+
+    def set_insts_words(self, words: Sequence[tuple[int, int]]) -> None:
+        """Rewrite words of this run's instruction stream (``[(index, value), ...]``, u32 word indices) in
+        its instruction buffer and flush them; the next start of every run of that stream executes them
+        (``Instructions.set_words``, docs/runtime.md 4.1).
+
+        Raises:
+            RuntimeError: the run was not prepared by ``prepare_npu``, or a run of the stream is in flight.
+            TypeError, ValueError: malformed pairs, an index outside the stream's words 4.., a value not a u32.
+            InstsError: the rewritten stream would be malformed (nothing is written).
+            XdnaError: the run or its context is closed, or SYNC_BO failed.
+        """
+        self.check_open("set_insts_words")
+        if self.insts is None:
+            raise RuntimeError(f"Run of {self.kernel.name} was not prepared by prepare_npu: it has no instruction "
+                               f"stream to rewrite")
+        self.insts.set_words(words)
 
     def close(self) -> None:
         """Release the packet buffer (idempotent)."""

@@ -199,7 +199,7 @@ def test_gemm_over_chunked_sub_buffers_equals_numpy(device, rows):
     c.sync(direction="from_device")
     expected = (a_host.astype(np.float32) @ b_host.astype(np.float32)).astype(BF16)
     np.testing.assert_array_equal(c.array(BF16, shape=(rows, n)), expected)
-    assert runs[0].handles == [ctx.instructions(streams[m])[0].handle, a.handle, b.handle, c.handle]
+    assert runs[0].handles == [ctx.instructions(streams[m]).bo.handle, a.handle, b.handle, c.handle]
 
 
 @pytest.mark.emu_only
@@ -378,7 +378,9 @@ def test_regmap_in_packet_uses_device_addresses(device, npu1_fixture):
     ctx, kernel, stream = _passthrough(device, npu1_fixture)
     a, b, c, _ = _buffers(device)
     run = kernel.prepare_npu(stream, [a.sub(64, 128), None, c])
-    instr, nwords = ctx.instructions(stream)
+    prepared = ctx.instructions(stream)
+    instr, nwords = prepared.bo, prepared.nwords
+    assert run.insts is prepared
     words = struct.unpack_from("<17I", run.packet.read(68))
     assert words[0] == 0x30010001 and words[1] == 1
     assert words[2:4] == (3, 0) and words[6] == nwords == len(stream) // 4
@@ -458,9 +460,9 @@ def test_instruction_streams_in_every_form_are_uploaded_once(device, npu1_fixtur
              np.frombuffer(stream, np.uint32)]
     uploads = [ctx.instructions(form) for form in forms]
     assert device.stats["CREATE_BO"] == creates + 1
-    assert all(u == uploads[0] for u in uploads) and uploads[0][1] == len(stream) // 4 == 82
-    assert uploads[0][0].read(len(stream)) == stream                 # the bytes of the file, unchanged
-    assert kernel.prepare_npu(str(text), [None]).handles == [uploads[0][0].handle]
+    assert all(u is uploads[0] for u in uploads) and uploads[0].nwords == len(stream) // 4 == 82
+    assert uploads[0].read() == uploads[0].bo.read(len(stream)) == stream     # the bytes of the file, unchanged
+    assert kernel.prepare_npu(str(text), [None]).handles == [uploads[0].bo.handle]
     with pytest.raises(insts.InstsError):
         ctx.instructions(stream[:-4])
     with pytest.raises(TypeError, match="instruction stream"):
