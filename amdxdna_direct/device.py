@@ -31,7 +31,7 @@ __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
     "ClockMetadata", "FirmwareVersion", "HwContextEntry", "HWCTX_ENTRY_SIZE", "decode_hwctx_entries", "PowerMode",
     "ResourceInfo", "HeapChunk", "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE",
-    "HEAP_MAX_SIZE", "PCI_GENERATIONS", "TXN_DEV_GEN", "pci_generation",
+    "HEAP_MAX_SIZE", "PCI_GENERATIONS", "POWER_MODES", "TXN_DEV_GEN", "pci_generation",
 ]
 
 log = logging.getLogger("amdxdna_direct")
@@ -247,6 +247,14 @@ def decode_hwctx_entries(raw: bytes | bytearray | memoryview, element_size: int,
 
 
 POWER_MODE_NAMES = {0: "DEFAULT", 1: "LOW", 2: "MEDIUM", 3: "HIGH", 4: "TURBO"}
+#: Power mode names (lower case) -> amdxdna_power_mode_type values, for ``Device.set_power_mode``.
+POWER_MODES = {name.lower(): value for value, name in POWER_MODE_NAMES.items()}
+# SET_STATE(SET_POWER_MODE) refusals -> what to do (docs/runtime.md 4.2).
+_POWER_MODE_HINTS = {
+    errno.EACCES: "SET_STATE is root-only (DRM_ROOT_ONLY): the process needs CAP_SYS_ADMIN (run it as root)",
+    errno.EPERM: "SET_STATE is root-only (DRM_ROOT_ONLY): the process needs CAP_SYS_ADMIN (run it as root)",
+    errno.EOPNOTSUPP: "the driver supports DEFAULT, HIGH and TURBO only",
+}
 
 
 @dataclass(frozen=True)
@@ -321,6 +329,9 @@ class DeviceFile:
         self.lock = threading.RLock()
         self.closed = False
         self._children: list[Any] = []
+        # GEM handle -> Bo objects holding it: importing a dma-buf this fd already has returns the same handle
+        # (docs/runtime.md 4.3), which is closed once, by the last of them.
+        self._handle_refs: dict[int, int] = {}
         # Mappings whose munmap waits for numpy views (``CpuMapping``); the seam stays open until they are gone.
         self._pins = 0
         self._finish_pending = False
@@ -367,6 +378,22 @@ class DeviceFile:
         if isinstance(err, DeviceLostError) and self.lost is None:
             self.lost = err
         return err
+
+    def ref_handle(self, handle: int) -> int:
+        """Count one more holder of GEM ``handle``; returns the count."""
+        with self.lock:
+            self._handle_refs[handle] = self._handle_refs.get(handle, 0) + 1
+            return self._handle_refs[handle]
+
+    def unref_handle(self, handle: int) -> bool:
+        """Drop a holder of ``handle``; True when it was the last (the handle is then to be closed)."""
+        with self.lock:
+            left = self._handle_refs.get(handle, 1) - 1
+            if left > 0:
+                self._handle_refs[handle] = left
+                return False
+            self._handle_refs.pop(handle, None)
+            return True
 
     def register(self, fn: Callable[..., None], *args: Any) -> _Resource:
         """Record a release action; ``close`` runs the live ones in reverse order of registration."""
@@ -713,6 +740,33 @@ class Device:
         return PowerMode(self._get_info("DRM_AMDXDNA_GET_POWER_MODE", "struct amdxdna_drm_get_power_mode")[0]
                          .power_mode)
 
+    def set_power_mode(self, mode: int | str) -> None:
+        """SET_STATE(SET_POWER_MODE): set the device-wide power mode (docs/runtime.md 4.2).
+
+        ``mode``: 0..4 or its name (``"default"``, ``"low"``, ``"medium"``, ``"high"``, ``"turbo"``, any case).
+        The driver takes it from a process with CAP_SYS_ADMIN only; setting the current mode does nothing.
+
+        Raises:
+            ValueError: ``mode`` is not one of the five modes.
+            PermissionDeniedError: the process lacks CAP_SYS_ADMIN (EACCES; EPERM), the message says so.
+            XdnaError: EOPNOTSUPP for LOW / MEDIUM (unsupported by the driver); EINVAL for TURBO while any
+                hardware context exists (every process's); another failure.
+        """
+        value = _power_mode_value(mode)
+        payload = abi.new("struct amdxdna_drm_set_power_mode", power_mode=value)
+        req = abi.new("struct amdxdna_drm_set_state", param=abi.DRM_AMDXDNA_SET_POWER_MODE,
+                      buffer_size=abi.ffi.sizeof(payload[0]), buffer=abi.address_of(payload))
+        fields = {"param": "SET_POWER_MODE", "power_mode": POWER_MODE_NAMES[value]}
+        try:
+            self.file.ioctl(abi.DRM_IOCTL_AMDXDNA_SET_STATE, req, fields)
+        except XdnaError as exc:
+            hint = _POWER_MODE_HINTS.get(exc.errno)
+            if hint is None and exc.errno == errno.EINVAL and value == abi.POWER_MODE_TURBO:
+                hint = "TURBO is refused while any hardware context exists (of any process): close them first"
+            if hint is None:
+                raise
+            raise ioctl_error("SET_STATE", fields, exc.errno, hint) from exc
+
     def resource_info(self) -> ResourceInfo:
         """GET_INFO QUERY_RESOURCE_INFO (feature level 0.4+).
 
@@ -880,6 +934,20 @@ class Device:
 
         return Bo(self, size, kind)
 
+    def import_bo(self, fd: int, size: int | None = None) -> Bo:
+        """Import a dma-buf (``Bo.export`` of this or another device) as a SHMEM buffer of this device.
+
+        See ``Bo.imported_from`` (docs/runtime.md 4.3): the import of this file's own export shares its
+        handle, closed by the last of the two.
+
+        Raises:
+            TypeError, ValueError: a bad ``fd`` or ``size``.
+            XdnaError: not an open dma-buf, or the driver refused it.
+        """
+        from .bo import Bo
+
+        return Bo.imported_from(self, fd, size)
+
     def hw_context(self, xclbin: Any, kernel: str | None = None, priority: int | str | None = None) -> HwContext:
         """Create a hardware context for ``xclbin`` (CREATE_HWCTX + PDI DEV BOs + CONFIG_CU).
 
@@ -891,6 +959,14 @@ class Device:
 
         self.file.check_open("hw_context")
         return HwContext(self, xclbin, kernel=kernel, priority=priority)
+
+
+def _power_mode_value(mode: int | str) -> int:
+    if isinstance(mode, str) and mode.lower() in POWER_MODES:
+        return POWER_MODES[mode.lower()]
+    if isinstance(mode, int) and not isinstance(mode, bool) and mode in POWER_MODE_NAMES:
+        return mode
+    raise ValueError(f"set_power_mode: mode must be one of {', '.join(POWER_MODES)} or 0..4, got {mode!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -941,6 +1017,28 @@ def gem_close(file: DeviceFile, handle: int) -> None:
     req = abi.ffi.new("struct drm_gem_close *")
     req.handle = handle
     file.ioctl(abi.DRM_IOCTL_GEM_CLOSE, req, {"handle": handle})
+
+
+def prime_handle_to_fd(file: DeviceFile, handle: int) -> int:
+    """DRM_IOCTL_PRIME_HANDLE_TO_FD with DRM_RDWR | DRM_CLOEXEC; returns the new dma-buf fd.
+
+    Raises:
+        XdnaError: the driver refused.
+    """
+    req = abi.new("struct drm_prime_handle", handle=handle, flags=abi.DRM_RDWR | abi.DRM_CLOEXEC, fd=-1)
+    file.ioctl(abi.DRM_IOCTL_PRIME_HANDLE_TO_FD, req, {"handle": handle, "flags": "RDWR|CLOEXEC"})
+    return int(req.fd)
+
+
+def prime_fd_to_handle(file: DeviceFile, fd: int) -> int:
+    """DRM_IOCTL_PRIME_FD_TO_HANDLE; returns this fd's GEM handle of the dma-buf (an existing one if it has it).
+
+    Raises:
+        XdnaError: the driver refused (EBADF: not an open fd; EINVAL: not a dma-buf it can import).
+    """
+    req = abi.new("struct drm_prime_handle", fd=fd)
+    file.ioctl(abi.DRM_IOCTL_PRIME_FD_TO_HANDLE, req, {"fd": fd})
+    return int(req.handle)
 
 
 def map_bo(file: DeviceFile, length: int, offset: int, addr: int = 0) -> int:

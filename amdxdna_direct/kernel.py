@@ -24,10 +24,14 @@ from .errors import CommandError, CommandTimeout, XdnaError, errno_text, ioctl_e
 if TYPE_CHECKING:
     from .hwctx import ComputeUnit, HwContext, Instructions
 
-__all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "NPU_OPCODE_TXN"]
+__all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVER", "NPU_OPCODE_TXN"]
 
 CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
 NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
+#: Seconds a wait lasts unless told otherwise: the proven path's bound (docs/runtime.md 4.4).
+DEFAULT_TIMEOUT = 10.0
+#: The timeout that waits without bound (``wait(timeout=FOREVER)``); only the driver's TDR ends such a wait.
+FOREVER = math.inf
 _INT64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1
 _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
@@ -37,22 +41,24 @@ _CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STAT
 
 
 def _check_timeout(timeout: float | None) -> float | None:
-    """The timeout in seconds, None (and infinity) meaning forever.
+    """The timeout in seconds, or None for "no bound": ``FOREVER`` (infinity) waits without bound, None
+    means ``DEFAULT_TIMEOUT`` (docs/runtime.md 4.4).
 
     Raises:
         ValueError: not a number >= 0 (NaN, negative, a string ...).
     """
     if timeout is None:
-        return None
+        return DEFAULT_TIMEOUT
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
             or not timeout >= 0:
-        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        raise ValueError(f"timeout must be a number of seconds >= 0, FOREVER (math.inf) or None (the default, "
+                         f"{DEFAULT_TIMEOUT} s), got {timeout!r}")
     return None if math.isinf(timeout) else float(timeout)
 
 
 def _monotonic_deadline_ns(timeout: float | None) -> int:
     # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (spec 1.9).
-    timeout = _check_timeout(timeout)
+    # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
     if timeout is None or timeout >= _INT64_MAX / 1e9:
         return _INT64_MAX
     return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9))
@@ -60,8 +66,8 @@ def _monotonic_deadline_ns(timeout: float | None) -> int:
 
 def _wait_cmd_ms(timeout: float | None) -> int:
     # WAIT_CMD counts milliseconds in a u32 and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
-    timeout = _check_timeout(timeout)
-    if timeout is None:
+    # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
+    if timeout is None or math.isinf(timeout):
         return 0
     return min(_U32_MAX, max(1, math.ceil(timeout * 1000)))
 
@@ -285,8 +291,11 @@ class Run:
             self.elapsed = None
         return self
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
         """Wait for the last submission and check its state; returns ``ERT_CMD_STATE_COMPLETED``.
+
+        ``timeout``: seconds, ``DEFAULT_TIMEOUT`` (10 s) unless given; ``FOREVER`` (``math.inf``) waits
+        without bound; None means the default (docs/runtime.md 4.4).
 
         One SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on the
         context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
@@ -321,7 +330,7 @@ class Run:
             finally:
                 unhold(held)
 
-    def __call__(self, timeout: float | None = None) -> int:
+    def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
         _check_timeout(timeout)
         return self.start().wait(timeout)
@@ -381,13 +390,15 @@ class _Waiter:
             XdnaError: EBADF when the context was closed during the wait; the wait ioctl failed otherwise.
         """
         ctx, file = self.ctx, self.ctx.device.file
+        shown = DEFAULT_TIMEOUT if timeout is None else timeout      # as the caller put it, in messages
+        timeout = _check_timeout(timeout)
         try:
             if ctx.syncobj:
                 self.points[0] = seq
                 self.req.timeout_nsec = _monotonic_deadline_ns(timeout)
                 file.ioctl_buffer(abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, self.buf,
                                   {"handle": ctx.syncobj, "point": seq,
-                                   "timeout": "forever" if timeout is None else timeout})
+                                   "timeout": "forever" if timeout is None else shown})
             else:
                 self.req.seq = seq
                 self.req.timeout = _wait_cmd_ms(timeout)
@@ -399,7 +410,7 @@ class _Waiter:
                                   f"context closed while {what} waited ({exc})") from exc
             if exc.errno == errno.ETIME:
                 raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
-                                                  f"{timeout} s: {exc}", kernel=what, state="RUNNING",
+                                                  f"{shown} s: {exc}", kernel=what, state="RUNNING",
                                      seq=seq) from exc
             raise
 
@@ -584,9 +595,9 @@ class RunList:
             if run._claimed_by is self:
                 run._claimed_by = None
 
-    def wait(self, timeout: float | None = None) -> list[int]:
+    def wait(self, timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
         """Wait once for the last chain submitted, then check every submitted chain; returns the
-        per-run states.
+        per-run states. ``timeout`` as ``Run.wait`` (default 10 s, ``FOREVER`` for no bound).
 
         Raises:
             CommandError: a chain failed; ``index`` is the failing run's position in this list
@@ -657,7 +668,7 @@ class RunList:
             run.check_open(what)
             run.check_buffers(what)
 
-    def __call__(self, timeout: float | None = None) -> list[int]:
+    def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
         _check_timeout(timeout)
         return self.start().wait(timeout)

@@ -106,6 +106,19 @@ def test_hw_contexts_from_get_array_mainline_entries():
     assert dev.stats["GET_ARRAY"] == 2 and dev.stats["GET_INFO"] == 1        # metadata only: no QUERY_HW_CONTEXTS
 
 
+def test_hw_contexts_from_an_emulated_out_of_tree_driver():
+    # The emulator's hwctx_entry_size=160 profile answers staging / out-of-tree entries with the process name.
+    with open("/proc/self/comm", encoding="ascii", errors="replace") as f:
+        comm = f.read().strip()[:15]                 # the kernel's task name: 15 bytes and a NUL
+    with EmuDevice("npu4", hwctx_entry_size=160) as emu, open_device(emu) as dev:
+        first = _run_three_times(dev, emu)
+        second = dev.hw_context(build_mlir_aie(b"pdi", column_width=2, n_buffers=2))
+        entries = dev.hw_contexts()
+    assert [(e.context_id, e.num_col, e.element_size, e.name) for e in entries] == \
+        [(first.handle, 1, OOT, comm), (second.handle, 2, OOT, comm)]
+    assert [e.command_submissions for e in entries] == [3, 0]
+
+
 class _OotDriver:
     """An EmuDevice whose GET_ARRAY(HW_CONTEXT_ALL) answers 160-byte out-of-tree entries (name at 144)."""
 
