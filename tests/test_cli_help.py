@@ -22,8 +22,8 @@ from amdxdna_direct.cli import build_parser, main
 no_system_files = test_cli_isolation.no_system_files
 pytestmark = pytest.mark.usefixtures("no_system_files")
 
-DEVICE_COMMANDS = ("info", "top", "doctor", "validate", "run", "trace")
-OPTION_DOCUMENTED = ("info", "top", "doctor", "validate")  # docs/cli.md lists these options one by one
+DEVICE_COMMANDS = ("info", "top", "doctor", "validate", "configure", "run", "trace")
+OPTION_DOCUMENTED = ("info", "top", "doctor", "validate", "configure")  # docs/cli.md lists these options one by one
 README_COMMANDS = ("info", "doctor", "run", "trace", "xclbin", "insts")  # the README's table (docs/cli.md: all)
 FILE_COMMANDS = ("xclbin", "insts")
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -20,7 +20,7 @@ import test_cli_isolation
 from test_cli_isolation import QUERY_FIRMWARE_VERSION, AlteredDriver, failing_query
 
 from amdxdna_direct import insts, open_device
-from amdxdna_direct.cli import info_cmd, main
+from amdxdna_direct.cli import configure_cmd, info_cmd, main
 from amdxdna_direct.doctor import bind_model
 from amdxdna_direct.emu import PROFILES, EmuDevice
 from amdxdna_direct.emu.models import Passthrough
@@ -246,3 +246,59 @@ def test_staging_entry_with_name_and_health_record(capsys):
                                "QoS gops 40, fps 30, latency 8")
     assert rows[2].strip() == ("health: TXN op 17, pc 0x3a0, fatal error type 2, exception type 5 at pc 0x1c4, "
                                "app module 1")
+
+
+# --- amdxdna configure --pmode (SET_STATE SET_POWER_MODE) -------------------------------------------------
+
+
+def configure(device, pmode: str, capsys, as_json: bool = True) -> tuple[int, dict | str, str]:
+    rc = configure_cmd.run(argparse.Namespace(device=device, pmode=pmode, json=as_json))
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if as_json else out), err
+
+
+def test_configure_sets_the_mode_and_info_reads_it_back(capsys):
+    with EmuDevice("npu4", cap_sys_admin=True) as emu:
+        rc, doc, _ = configure(emu, "high", capsys)
+        assert rc == 0 and doc == {"device": "emu:npu4", "before": "DEFAULT", "after": "HIGH"}
+        assert info_cmd.run(argparse.Namespace(device=emu, json=True)) == 0
+        info = json.loads(capsys.readouterr().out)
+        rc, text, _ = configure(emu, "default", capsys, as_json=False)
+    assert info["power_mode"] == "HIGH"
+    mp_npu, h_clock = PROFILES["npu4"].dpm_clocks[-1]  # HIGH runs the top DPM level (emulator profile)
+    assert info["clocks"] == {"MP-NPU Clock": mp_npu, "H Clock": h_clock}
+    assert rc == 0 and text == "emu:npu4: power mode HIGH -> DEFAULT\n"
+
+
+def test_configure_without_cap_sys_admin_says_run_it_with_sudo(capsys):
+    with EmuDevice("npu4", cap_sys_admin=False) as emu:
+        rc, doc, err = configure(emu, "turbo", capsys)
+    assert rc == 1 and doc["device"] == "emu:npu4"
+    assert "EACCES" in doc["error"] and "CAP_SYS_ADMIN" in doc["error"]
+    assert "`sudo amdxdna configure --pmode turbo`" in err
+
+
+@pytest.mark.parametrize("pmode", ["low", "medium"])
+def test_configure_low_and_medium_are_not_supported(capsys, pmode):
+    with EmuDevice("npu1", cap_sys_admin=True) as emu:
+        rc, doc, _ = configure(emu, pmode, capsys)
+    assert rc == 1 and os.strerror(errno.EOPNOTSUPP) in doc["error"]  # ENOTSUP: the same errno on Linux
+    assert f"power mode {pmode.upper()} is not supported by this driver" in doc["error"]
+
+
+def test_configure_turbo_is_refused_while_a_context_exists(capsys):
+    with EmuDevice("npu4", cap_sys_admin=True) as emu, open_device(emu) as other:
+        held = other.hw_context(build_mlir_aie(b"pdi", column_width=1, n_buffers=2))
+        rc, doc, _ = configure(emu, "turbo", capsys)
+        held.close()
+        after = configure(emu, "turbo", capsys)
+    assert rc == 1 and "EINVAL" in doc["error"]
+    assert "TURBO is refused while any hardware context exists (1 live)" in doc["error"]
+    assert after[0] == 0 and after[1]["after"] == "TURBO"
+
+
+def test_configure_usage_errors(capsys):
+    assert main(["configure", "--device", "emu:npu4"]) == 2
+    assert "--pmode" in capsys.readouterr().err
+    assert main(["configure", "--device", "emu:npu4", "--pmode", "ludicrous"]) == 2
+    assert "invalid choice" in capsys.readouterr().err

@@ -22,8 +22,8 @@ from ..errors import errno_text
 __all__ = ["SUBCOMMANDS", "DEVICE_ENV", "add_device_option", "add_file_parser", "build_parser", "command_parser",
            "device_spec", "inspect_file", "main"]
 
-SUBCOMMANDS = ("xclbin_cmd", "insts_cmd", "info_cmd", "top_cmd", "doctor_cmd", "validate_cmd", "run_cmd",
-               "trace_cmd")
+SUBCOMMANDS = ("xclbin_cmd", "insts_cmd", "info_cmd", "top_cmd", "doctor_cmd", "validate_cmd", "configure_cmd",
+               "run_cmd", "trace_cmd")
 
 EXIT_USAGE = 2
 DEVICE_ENV = "AMDXDNA_DEVICE"
