@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import test_cli_isolation
@@ -219,6 +220,21 @@ def test_info_json_carries_every_field_of_the_mainline_entry(capsys):
     assert entry["pid"] == os.getpid() and entry["num_col"] == 1
     if entry["element_size"] == 144:
         assert entry["name"] is None  # mainline entries have no process name
+
+
+def test_emulated_staging_driver_names_the_process(capsys):
+    comm = Path("/proc/self/comm").read_text().strip()[:15]  # the task's name, at most TASK_COMM_LEN - 1
+    with EmuDevice("npu4", hwctx_entry_size=160) as emu:
+        with open_device(emu) as other:
+            held = other.hw_context(build_mlir_aie(b"pdi", column_width=2, n_buffers=2))
+            assert info_cmd.run(argparse.Namespace(device=emu, json=True)) == 0
+            entry, = json.loads(capsys.readouterr().out)["contexts"]
+            assert info_cmd.run(argparse.Namespace(device=emu, json=False)) == 0
+            row = capsys.readouterr().out.splitlines()[-2].split()
+            held.close()
+    assert (entry["element_size"], entry["name"], entry["num_col"]) == (160, comm, 2)
+    assert set(ENTRY_FIELDS) <= set(entry)
+    assert row[2:4] == [str(os.getpid()), comm]
 
 
 def test_staging_entry_with_name_and_health_record(capsys):
