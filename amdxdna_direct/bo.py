@@ -141,7 +141,7 @@ class Bo:
 
         The caller keeps ``fd`` (close it when convenient: the import holds the buffer). Importing a buffer
         this device file already holds (its own export) returns the same GEM handle: both Bo objects share
-        it, and the last one closed closes it (docs/runtime.md 4.3).
+        it, and the last one closed closes it (docs/runtime.md 3.3).
 
         Raises:
             TypeError, ValueError: ``fd`` is not an int >= 0, or ``size`` is not in 1..the dma-buf's size.
@@ -183,7 +183,7 @@ class Bo:
         """Export this buffer as a dma-buf: PRIME_HANDLE_TO_FD (DRM_RDWR | DRM_CLOEXEC); returns the fd.
 
         The caller owns the fd and closes it (``os.close``); the dma-buf keeps the memory alive as long as
-        it, or an import of it, exists (docs/runtime.md 4.3).
+        it, or an import of it, exists (docs/runtime.md 3.3).
 
         Raises:
             ValueError: a sub-buffer (it shares its parent's handle: export the parent).

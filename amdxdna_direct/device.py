@@ -138,12 +138,12 @@ class FirmwareVersion:
         return f"{self.major}.{self.minor}.{self.patch}.{self.build}"
 
 
-HWCTX_STATE_NAMES = {0: "IDLE", 1: "ACTIVE"}   # amdxdna_drm_hwctx_entry.state (docs/runtime.md 3)
+HWCTX_STATE_NAMES = {0: "IDLE", 1: "ACTIVE"}   # amdxdna_drm_hwctx_entry.state (docs/runtime.md 2)
 
 
 @dataclass(frozen=True)
 class HwContextEntry:
-    """One hardware context of the device, any process's (docs/runtime.md 3).
+    """One hardware context of the device, any process's (docs/runtime.md 2).
 
     From GET_ARRAY(HW_CONTEXT_ALL) (``source == "GET_ARRAY"``): every field the driver's entry holds,
     read up to the ``element_size`` the driver returned (144 bytes on mainline, 160 on staging /
@@ -190,12 +190,12 @@ class HwContextEntry:
         return HWCTX_STATE_NAMES.get(self.state, f"STATE_{self.state}")
 
 
-# GET_ARRAY(HW_CONTEXT_ALL) entry fields in struct order, from the cdef (docs/runtime.md 3).
+# GET_ARRAY(HW_CONTEXT_ALL) entry fields in struct order, from the cdef (docs/runtime.md 2).
 _ENTRY_CTYPE = "struct amdxdna_drm_hwctx_entry"
 _QUERY_FIELDS = ("context_id", "start_col", "num_col", "pid", "command_submissions", "command_completions",
                  "migrations", "preemptions", "errors")
 HWCTX_ENTRY_SIZE = abi.ffi.sizeof(_ENTRY_CTYPE)
-#: GET_ARRAY's element count limit (AMDXDNA_MAX_NUM_ELEMENT, docs/runtime.md 3).
+#: GET_ARRAY's element count limit (AMDXDNA_MAX_NUM_ELEMENT, docs/runtime.md 2).
 MAX_ARRAY_ELEMENTS = 1024
 
 
@@ -249,7 +249,7 @@ def decode_hwctx_entries(raw: bytes | bytearray | memoryview, element_size: int,
 POWER_MODE_NAMES = {0: "DEFAULT", 1: "LOW", 2: "MEDIUM", 3: "HIGH", 4: "TURBO"}
 #: Power mode names (lower case) -> amdxdna_power_mode_type values, for ``Device.set_power_mode``.
 POWER_MODES = {name.lower(): value for value, name in POWER_MODE_NAMES.items()}
-# SET_STATE(SET_POWER_MODE) refusals -> what to do (docs/runtime.md 4.2).
+# SET_STATE(SET_POWER_MODE) refusals -> what to do (docs/runtime.md 3.2).
 _POWER_MODE_HINTS = {
     errno.EACCES: "SET_STATE is root-only (DRM_ROOT_ONLY): the process needs CAP_SYS_ADMIN (run it as root)",
     errno.EPERM: "SET_STATE is root-only (DRM_ROOT_ONLY): the process needs CAP_SYS_ADMIN (run it as root)",
@@ -330,7 +330,7 @@ class DeviceFile:
         self.closed = False
         self._children: list[Any] = []
         # GEM handle -> Bo objects holding it: importing a dma-buf this fd already has returns the same handle
-        # (docs/runtime.md 4.3), which is closed once, by the last of them.
+        # (docs/runtime.md 3.3), which is closed once, by the last of them.
         self._handle_refs: dict[int, int] = {}
         # Mappings whose munmap waits for numpy views (``CpuMapping``); the seam stays open until they are gone.
         self._pins = 0
@@ -741,7 +741,7 @@ class Device:
                          .power_mode)
 
     def set_power_mode(self, mode: int | str) -> None:
-        """SET_STATE(SET_POWER_MODE): set the device-wide power mode (docs/runtime.md 4.2).
+        """SET_STATE(SET_POWER_MODE): set the device-wide power mode (docs/runtime.md 3.2).
 
         ``mode``: 0..4 or its name (``"default"``, ``"low"``, ``"medium"``, ``"high"``, ``"turbo"``, any case).
         The driver takes it from a process with CAP_SYS_ADMIN only; setting the current mode does nothing.
@@ -784,7 +784,7 @@ class Device:
         indexes the entries (144 on mainline, 160 on staging / out-of-tree drivers). A driver without
         GET_ARRAY (feature level 0.0, Linux 6.14-6.17: EINVAL for the absent ioctl; EOPNOTSUPP) is asked
         GET_INFO(QUERY_HW_CONTEXTS) instead: its entries carry ``source == "QUERY_HW_CONTEXTS"`` and only
-        the nine fields that query has (docs/runtime.md 3).
+        the nine fields that query has (docs/runtime.md 2).
 
         Raises:
             ValueError: ``max_entries`` is not an int in 1..1024 (the driver's GET_ARRAY limit).
@@ -937,7 +937,7 @@ class Device:
     def import_bo(self, fd: int, size: int | None = None) -> Bo:
         """Import a dma-buf (``Bo.export`` of this or another device) as a SHMEM buffer of this device.
 
-        See ``Bo.imported_from`` (docs/runtime.md 4.3): the import of this file's own export shares its
+        See ``Bo.imported_from`` (docs/runtime.md 3.3): the import of this file's own export shares its
         handle, closed by the last of the two.
 
         Raises:

@@ -439,7 +439,7 @@ class Instructions:
 
     def set_words(self, words: Sequence[tuple[int, int]]) -> None:
         """Rewrite instruction words: ``[(index, value), ...]``, ``index`` counted in u32 words from the
-        start of the stream; flushed for the device, so the next run executes them (docs/runtime.md 4.1).
+        start of the stream; flushed for the device, so the next run executes them (docs/runtime.md 3.1).
 
         The result must still be a well-formed stream (its header and op lengths as ``insts.decode``
         checks them); nothing is written otherwise. The header (words 0-3) is not rewritable.

@@ -28,7 +28,7 @@ __all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVE
 
 CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
 NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
-#: Seconds a wait lasts unless told otherwise: the proven path's bound (docs/runtime.md 4.4).
+#: Seconds a wait lasts unless told otherwise: the proven path's bound (docs/runtime.md 3.4).
 DEFAULT_TIMEOUT = 10.0
 #: The timeout that waits without bound (``wait(timeout=FOREVER)``); only the driver's TDR ends such a wait.
 FOREVER = math.inf
@@ -42,7 +42,7 @@ _CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STAT
 
 def _check_timeout(timeout: float | None) -> float | None:
     """The timeout in seconds, or None for "no bound": ``FOREVER`` (infinity) waits without bound, None
-    means ``DEFAULT_TIMEOUT`` (docs/runtime.md 4.4).
+    means ``DEFAULT_TIMEOUT`` (docs/runtime.md 3.4).
 
     Raises:
         ValueError: not a number >= 0 (NaN, negative, a string ...).
@@ -295,7 +295,7 @@ class Run:
         """Wait for the last submission and check its state; returns ``ERT_CMD_STATE_COMPLETED``.
 
         ``timeout``: seconds, ``DEFAULT_TIMEOUT`` (10 s) unless given; ``FOREVER`` (``math.inf``) waits
-        without bound; None means the default (docs/runtime.md 4.4).
+        without bound; None means the default (docs/runtime.md 3.4).
 
         One SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on the
         context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
@@ -338,7 +338,7 @@ class Run:
     def set_insts_words(self, words: Sequence[tuple[int, int]]) -> None:
         """Rewrite words of this run's instruction stream (``[(index, value), ...]``, u32 word indices) in
         its instruction buffer and flush them; the next start of every run of that stream executes them
-        (``Instructions.set_words``, docs/runtime.md 4.1).
+        (``Instructions.set_words``, docs/runtime.md 3.1).
 
         Raises:
             RuntimeError: the run was not prepared by ``prepare_npu``, or a run of the stream is in flight.

@@ -18,7 +18,7 @@ __all__ = ["Seam", "OsSeam", "dmabuf_size"]
 
 
 def dmabuf_size(fd: int) -> int:
-    """The size in bytes of the dma-buf ``fd`` (it answers lseek to its end with its size; docs/runtime.md 4.3),
+    """The size in bytes of the dma-buf ``fd`` (it answers lseek to its end with its size; docs/runtime.md 3.3),
     its offset put back to 0.
 
     Raises:

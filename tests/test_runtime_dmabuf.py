@@ -1,7 +1,7 @@
 """dma-buf export and import of buffers (PRIME), and the power mode (SET_STATE).
 
 Oracles: the bytes each test writes on one side and reads on the other; the DRM rule that an fd importing
-a dma-buf it already holds gets its own handle back (docs/runtime.md 4.3), checked through the emulator's
+a dma-buf it already holds gets its own handle back (docs/runtime.md 3.3), checked through the emulator's
 GEM_CLOSE count and live-object counters; the PRIME request layout {u32 handle, u32 flags, s32 fd} with
 DRM_RDWR 2 | DRM_CLOEXEC 0x80000 (spec amdxdna-uapi.md 5); SET_STATE's root-only rule and the
 SET_POWER_MODE answers of spec amdxdna-uapi.md 4.10 / 10.

@@ -485,7 +485,7 @@ def test_bad_timeouts_are_rejected_before_waiting(device, npu1_fixture):
 
 
 def test_waits_are_bounded_by_10_seconds_unless_forever_is_asked(npu1_fixture):
-    # docs/runtime.md 4.4: the deadline is absolute CLOCK_MONOTONIC (spec 1.9): now + 10 s by default and for
+    # docs/runtime.md 3.4: the deadline is absolute CLOCK_MONOTONIC (spec 1.9): now + 10 s by default and for
     # None; FOREVER (math.inf) is INT64_MAX. Bounds: the clock read before and after the wait call.
     assert inspect.signature(Run.wait).parameters["timeout"].default == kernel_mod.DEFAULT_TIMEOUT == 10.0
     assert inspect.signature(RunList.wait).parameters["timeout"].default == 10.0
