@@ -124,10 +124,12 @@ class Npu1Job:
         raw.config_cu(self.ctx, [(pdi, 0)])
         self.instr, info = raw.dev_bo(len(self.insts))
         write_addr(info.vaddr, self.insts)
+        raw.sync(self.instr, len(self.insts))
         self.instr_addr = info.xdna_addr
         self.src, self.src_addr = raw.shmem(PAGE)
         self.dst, self.dst_addr = raw.shmem(PAGE)
         write_addr(self.src_addr, bytes(range(256)) * 16)
+        raw.sync(self.src, PAGE)
 
     def submit(self) -> tuple[int, int]:
         """A fresh command BO with the 15-word regmap (bo0 = src, bo2 = dst); returns (seq, cmd address)."""
@@ -210,7 +212,8 @@ def test_rule_D6(dev, raw):
 
 
 def test_rule_D7():
-    with emu_device("npu1", tdr_timeout=10.0) as dev:
+    # Coherent: the output is read after its handle is gone, when no SYNC_BO can bring the device's write back.
+    with emu_device("npu1", tdr_timeout=10.0, coherent=True) as dev:
         raw = Raw(dev.open())
         assert errno_of(raw.gem_close, 77) == errno.EINVAL
         gate = Gate()
@@ -844,7 +847,7 @@ def test_emulator_is_independent_of_the_binding():
 
     allowed = {"__future__", "collections", "contextlib", "ctypes", "dataclasses", "errno", "functools", "hashlib",
                "logging", "math", "mmap", "operator", "os", "queue", "re", "struct", "threading", "time", "typing",
-               "numpy", "ml_dtypes"}
+               "weakref", "numpy", "ml_dtypes"}
     sources = sorted(Path(emu.__file__).parent.glob("*.py"))
     assert len(sources) >= 8
     for source in sources:

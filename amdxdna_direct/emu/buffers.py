@@ -6,6 +6,8 @@ import errno
 import os
 from collections.abc import Callable
 
+from . import coherence
+from .coherence import DeviceView
 from .memory import (
     AIE2_DEVM_BASE,
     AMDXDNA_BO_CMD,
@@ -100,6 +102,8 @@ class BoIoctls:
             raise fail(errno.ENOMEM, op, f"mapping the dma-buf: {exc}") from exc
         bo = Bo(handle=0, kind=AMDXDNA_BO_SHMEM, size=size, mem=view, memfd=memfd, _backing=backing,
                 map_offset=self.next_map_offset, file_key=key)
+        if not self.profile.coherent:
+            bo.view = coherence.view_for(key, view)         # one RAM behind both devices' BOs
         self.next_map_offset += size
         self.live_bos += 1
         return bo
@@ -131,6 +135,10 @@ class BoIoctls:
             raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
         bo = Bo(handle=0, kind=kind, size=size, mem=view, memfd=memfd, _backing=backing,
                 map_offset=self.next_map_offset, file_key=file_key(memfd))
+        if not self.profile.coherent and kind != AMDXDNA_BO_CMD:
+            # The driver reads command BOs through its own kernel mapping: coherent (docs/emulator.md).
+            bo.view = DeviceView(view)
+            coherence.register(bo.file_key, bo.view)
         self.next_map_offset += size
         self.live_bos += 1
         return bo
@@ -172,7 +180,7 @@ class BoIoctls:
             raise fail(errno.ENOSPC, op, f"heap would grow to {offset + size:#x} > dev_heap_max_size {max_size:#x}")
         if memory.window is None:
             try:
-                memory.window = HeapWindow(max_size)
+                memory.window = HeapWindow(max_size, coherent=self.profile.coherent)
             except OSError as exc:
                 raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
         try:
@@ -181,7 +189,7 @@ class BoIoctls:
             raise fail(errno.ENOMEM, op, f"backing store: {exc}") from exc
         bo = Bo(handle=0, kind=AMDXDNA_BO_DEV_HEAP, size=size, mem=memory.window.view[offset:offset + size],
                 xdna_addr=AIE2_DEVM_BASE + offset, map_offset=self.next_map_offset, memfd=memfd,
-                file_offset=offset, _backing=memory.window.backing)
+                file_offset=offset, _backing=memory.window.backing, view=memory.window.device, view_offset=offset)
         self.next_map_offset += size
         self.live_bos += 1
         bo.refs += 1            # client->dev_heap_xa keeps every chunk until close (spec 7, lifetime)
@@ -221,9 +229,11 @@ class BoIoctls:
             chunk.refs += 1
         first = chunks[0]
         pages = memory.heap.mem if memory.window is None else memory.window.view
+        device = memory.heap.view if memory.window is None else memory.window.device
         bo = Bo(handle=0, kind=AMDXDNA_BO_DEV, size=size, mem=pages[offset:offset + size], heap=first,
                 more_heaps=tuple(chunks[1:]), heap_offset=offset, xdna_addr=AIE2_DEVM_BASE + offset,
-                vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal, fd_memory=memory)
+                vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal, fd_memory=memory,
+                view=device, view_offset=offset)
         memory.dev_bos[offset] = bo
         self.live_bos += 1
         return bo
@@ -283,7 +293,11 @@ class BoIoctls:
             bo = client.bos.get(a["handle"])
             if bo is None:
                 raise fail(errno.ENOENT, op, "unknown handle")
-            # The pages are ordinary shared memory here: the flush of [offset, offset+size) has nothing to do.
+            if bo.view is not None:
+                # drm_clflush of the lines covering [offset, offset+size) inside the BO, whatever the direction
+                # (docs/emulator.md, Memory coherence); the EINVAL below comes after the flush (rule B7).
+                start = bo.view_offset + min(a["offset"], bo.size)
+                bo.view.sync(start, bo.view_offset + min(a["offset"] + a["size"], bo.size))
             if self.profile.drm_minor >= 3 and a["direction"] == SYNC_DIRECT_FROM_DEVICE:
                 if bo.dbg_ctx is None:
                     raise fail(errno.EINVAL, op, "FROM_DEVICE on a BO that is not an assigned debug buffer")

@@ -210,12 +210,14 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             profile: a name of PROFILES or a Profile.
             tdr_timeout: seconds before a hung job is timed out (staging default 2 s, spec 6.7).
             cap_sys_admin: whether callers count as root for DRM_ROOT_ONLY ioctls (default: euid 0).
-            options: Profile field overrides, e.g. ``drm_minor=6``, ``wait_cmd=True``, ``expandable_heap=True``.
+            options: Profile field overrides, e.g. ``drm_minor=6``, ``wait_cmd=True``, ``expandable_heap=True``,
+                ``coherent=True`` (no device copy of buffers: SYNC_BO changes nothing), ``hwctx_entry_size=160``.
 
         Raises:
             KeyError: unknown profile name.
             TypeError: unknown option.
-            ValueError: dev_heap_max_size is not a positive multiple of 64 MiB, or tdr_timeout is not > 0.
+            ValueError: dev_heap_max_size is not a positive multiple of 64 MiB, hwctx_entry_size is not 144 or 160,
+                or tdr_timeout is not > 0.
         """
         if not isinstance(profile, Profile) and profile not in PROFILES:
             raise KeyError(f"unknown emulator profile {profile!r} (profiles: {', '.join(PROFILES)})")

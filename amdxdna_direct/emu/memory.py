@@ -20,6 +20,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from .coherence import DeviceView
+
 AMDXDNA_BO_SHMEM, AMDXDNA_BO_DEV_HEAP, AMDXDNA_BO_DEV, AMDXDNA_BO_CMD = 1, 2, 3, 4
 BO_KIND_NAMES = {AMDXDNA_BO_SHMEM: "SHMEM", AMDXDNA_BO_DEV_HEAP: "DEV_HEAP", AMDXDNA_BO_DEV: "DEV",
                  AMDXDNA_BO_CMD: "CMD"}
@@ -66,6 +68,8 @@ class Bo:
     dbg_ctx: object = None           # the context this BO is the debug buffer of (ASSIGN_DBG_BUF)
     fd_memory: Memory | None = None  # DEV BOs: the Memory whose heap they live in
     file_key: tuple[int, int] = (-1, -1)  # (st_dev, st_ino) of a standalone BO's memfd: its dma-buf identity
+    view: DeviceView | None = None  # what the device sees of the pages (None: coherent, docs/emulator.md)
+    view_offset: int = 0            # where the BO's bytes start in `view`
     _backing: object = field(default=None, repr=False)
 
     @property
@@ -175,8 +179,9 @@ class HeapWindow:
     it; each chunk BO owns a dup of the memfd (user mmap at that offset) and the kernel keeps one view.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, coherent: bool = True):
         self.memfd, self._mapping, self.view = new_backing(size, BACKING_NAME + "heap-window")
+        self.device = None if coherent else DeviceView(self.view)
 
     def chunk_fd(self) -> int:
         """A descriptor of the window file for one chunk BO (closed when the chunk is released)."""
@@ -192,7 +197,7 @@ class HeapWindow:
         if self.memfd >= 0:
             os.close(self.memfd)
             self.memfd = -1
-        self._mapping = self.view = None
+        self._mapping = self.view = self.device = None
 
 
 class Memory:

@@ -53,6 +53,7 @@ class Profile:
     dev_heap_max_size: int = 512 << 20  # expandable heap: device window per fd (spec 4.4, 8; NPU1 64 MiB)
     wait_cmd: bool = False          # True models the out-of-tree driver's WAIT_CMD (spec 4.11, 12)
     qos_size: int = 24              # bytes read from qos_p (32 on out-of-tree builds, spec 12)
+    coherent: bool = False          # True: one copy of every buffer, SYNC_BO a no-op (fast; docs/emulator.md)
     hwctx_entry_size: int = 144     # GET_ARRAY HW_CONTEXT_ALL entry: 144 mainline, 160 staging/OOT (+ name)
 
 

@@ -103,6 +103,8 @@ class DdrPatch:
     arg_idx: int
     arg_plus: int
     length: int
+    col: int = 0            # the shim tile (partition-relative column) and BD the patch is for
+    bd: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ class TxnProgram:
     pushes: list[QueuePush] = field(default_factory=list)
     syncs: list[Sync] = field(default_factory=list)
     skipped: list[tuple[int, int]] = field(default_factory=list)   # (op index, opcode) walked, not modelled
+
+    def directions(self, patch: DdrPatch) -> set[str]:
+        """The DMA directions ("mm2s": the device reads the buffer, "s2mm": it writes it) the patched BD is started
+        on by task-queue pushes of this stream; empty when no push names it (a chained BD)."""
+        return {push.direction for push in self.pushes if (push.col, push.bd) == (patch.col, patch.bd)}
 
     @property
     def last_sync_index(self) -> int:
@@ -289,7 +296,7 @@ def _patch(program: TxnProgram, op: memoryview, index: int) -> DdrPatch:
     length_words = program.registers.get(reg_addr - 4)
     if length_words is None:
         raise TxnError(f"DDR_PATCH of shim BD {bd} before its length was written", index)
-    return DdrPatch(index, reg_addr, arg_idx, arg_plus, length_words * 4)
+    return DdrPatch(index, reg_addr, arg_idx, arg_plus, length_words * 4, col=reg_addr >> 25, bd=bd)
 
 
 def _sync(op: memoryview, index: int) -> Sync:
