@@ -1115,7 +1115,8 @@ def unmap(file: DeviceFile, addr: int, length: int) -> None:
 def open_device(spec: Any = None) -> Device:
     """Open a device.
 
-    ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device), an
+    ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device; the emulator is
+    not cache coherent, ``"emu:<profile>:coherent"`` models the caches away), an
     ``EmuDevice`` (a new fd on it), a path such as ``"/dev/accel/accel0"``, or None: the environment
     variable ``AMDXDNA_DEVICE`` if set, else the first ``/dev/accel/accel*`` bound to amdxdna.
 
@@ -1132,11 +1133,16 @@ def open_device(spec: Any = None) -> Device:
     if isinstance(spec, str) and (spec == "emu" or spec.startswith("emu:")):
         from .emu import PROFILES, EmuDevice
 
-        profile = spec.partition(":")[2] or DEFAULT_EMU_PROFILE
+        _, _, rest = spec.partition(":")
+        profile, _, variant = rest.partition(":")
+        profile = profile or DEFAULT_EMU_PROFILE
         if profile not in PROFILES:
             raise ValueError(f"open_device({spec!r}): unknown emulator profile {profile!r} "
                              f"(profiles: {', '.join(sorted(PROFILES))})")
-        emu = EmuDevice(profile)
+        if variant not in ("", "coherent"):
+            raise ValueError(f"open_device({spec!r}): unknown emulator variant {variant!r} (only 'coherent': "
+                             f"'emu:{profile}:coherent', caches modelled away)")
+        emu = EmuDevice(profile, coherent=True) if variant else EmuDevice(profile)
         try:
             return Device(emu.open(), emulator=emu, owns_emulator=True)
         except BaseException:

@@ -326,7 +326,8 @@ class Run:
                 if state == cmd.ERT_CMD_STATE_COMPLETED:
                     return state
                 self._clobbered = state in _CLOBBERED
-                raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view)
+                raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view,
+                                     emulated=self.ctx.device.emulator is not None)
             finally:
                 unhold(held)
 
@@ -442,8 +443,11 @@ class _Exec:
         return self.req.seq
 
 
+_EMULATOR_NOTE = "the emulated firmware logged why (logger amdxdna_direct.emu, level ERROR)"
+
+
 def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index: int | None = None,
-                   health_packet=None) -> CommandError:
+                   health_packet=None, emulated: bool = False) -> CommandError:
     name = cmd.state_name(state)
     err = _FAILED_STATES.get(state, errno.EINVAL)
     health = cmd.decode_health(health_packet if health_packet is not None else packet) \
@@ -454,6 +458,8 @@ def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index:
     if health is not None:
         message += (f"; health: txn_op_idx={health.txn_op_idx} ctx_pc={health.ctx_pc:#x} "
                     f"fatal_error_type={health.fatal_error_type:#x}")
+    if emulated and state == cmd.ERT_CMD_STATE_ERROR:
+        message += f"; {_EMULATOR_NOTE}"
     cls = CommandTimeout if state == cmd.ERT_CMD_STATE_TIMEOUT else CommandError
     return cls(err, message, kernel=kernel, state=name, seq=seq, index=index, health=health)
 
@@ -657,7 +663,7 @@ class RunList:
         index = chain.first + error_index
         # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).
         return _command_error(run.kernel.name, state, chain.seq, self.ctx.handle, chain.view, index=index,
-                              health_packet=chain.runs[0]._view)
+                              health_packet=chain.runs[0]._view, emulated=self.ctx.device.emulator is not None)
 
     def _check_open(self, what: str) -> None:
         # The chain packets and the runs' packets are written and read through their mappings.
