@@ -63,15 +63,21 @@ def test_device_view_sync_moves_whole_lines_both_ways():
     assert pages[LINE + 1] == 7 and not view.dirty.any()
 
 
-def test_device_view_records_a_write_only_range_whole():
+def test_device_view_write_only_range_and_a_cpu_write_over_device_lines():
     pages = bytearray(3 * LINE)
     view = DeviceView(memoryview(pages))
     pages[:] = b"\x11" * len(pages)
     view.sync(0, len(pages))
-    view.written(LINE, LINE + 8, whole=True)                   # an S2MM range: its line counts as written
-    pages[LINE + 40] = 0x22                                    # the CPU's unsynced write in that line is lost
+    view.dev[LINE:] = 0x33                                     # the device writes lines 1 and 2 ...
+    view.written(LINE, LINE + 8, whole=True)                   # ... an S2MM range: its whole line counts
+    view.written(2 * LINE, 3 * LINE, whole=False)              # a read-write range: the lines that changed
+    assert list(view.dirty) == [False, True, True]
+    pages[2 * LINE + 5] = 0x22                                 # the CPU writes into a device-written line
+    assert view.stale(0, len(pages)) == (2 * LINE + 5, 2 * LINE + 6)     # the device would not see it
     view.sync(0, len(pages))
-    assert bytes(pages) == b"\x11" * len(pages)
+    # Line 0: not device-written, the CPU's; line 1: the device's; line 2: the CPU's write-back wins.
+    assert bytes(pages) == b"\x11" * LINE + b"\x33" * LINE + b"\x11" * 5 + b"\x22" + b"\x11" * (LINE - 6)
+    assert bytes(view.dev) == bytes(pages) and not view.dirty.any()
 
 
 # ------------------------------------------------------------------------------------------- raw ioctls
@@ -139,6 +145,29 @@ def test_device_to_device_needs_no_cpu_sync(npu):
     assert run_one(npu, ctx, syncobj, second) == ERT_STATE_COMPLETED
     assert npu.output(second) == first["src"]
     assert read_addr(mid_addr, 64) == bytes(64)                # never synced to the CPU
+
+
+def test_cpu_input_over_a_device_output_reaches_the_device(npu, caplog):
+    """The CPU reuses a buffer the device wrote (never synced back) as the next input: written without a sync it
+    is stale for the device; synced, the CPU's bytes win over the device's, as clflush writes a dirty line back."""
+    ctx, syncobj = npu.context()
+    first = npu.passthrough(tag=5)
+    assert run_one(npu, ctx, syncobj, first) == ERT_STATE_COMPLETED          # `out` now device-written
+    second = npu.passthrough(tag=6)
+    words = second["words"]
+    write_addr(second["cmd_addr"], packet(ERT_START_CU, regmap(words[2] | words[3] << 32, words[4],
+                                                               [first["out"], second["out"]], nslots=5)))
+    second["args"][1] = first["out_bo"]
+    write_addr(first["out"], b"new input")
+    with caplog.at_level(logging.ERROR, logger="amdxdna_direct.emu"):
+        assert run_one(npu, ctx, syncobj, second) == ERT_STATE_ERROR
+    assert f"arg 0: SHMEM BO handle {first['out_bo']}, bytes [0x0, 0x9) {STALE}" in caplog.text
+    npu.raw.sync(first["out_bo"], 64)
+    write_addr(second["cmd_addr"], packet(ERT_START_CU, regmap(words[2] | words[3] << 32, words[4],
+                                                               [first["out"], second["out"]], nslots=5)))
+    assert run_one(npu, ctx, syncobj, second) == ERT_STATE_COMPLETED
+    assert npu.output(second)[:9] == b"new input"
+    assert npu.output(second)[9:] == bytes(55)                 # the CPU's zeros of that line, not the old output
 
 
 def test_command_bo_is_coherent(npu):

@@ -7,10 +7,12 @@ direction). A ``DeviceView`` keeps, for one backing file (a BO's memfd, a heap w
 bytes, the device's, next to the CPU pages every mapping shows, and a per-line flag of the lines the device
 wrote since their last sync:
 
-* ``sync(lo, hi)``: over the 64-byte lines covering the range, device-written lines reach the CPU pages, then
-  the CPU pages become the device's copy;
-* ``stale(lo, hi)``: the first and last byte of the range where the CPU pages differ from the device's copy,
-  outside device-written lines: a CPU write since the last sync, which the device would not see;
+* ``sync(lo, hi)``: over the 64-byte lines covering the range, device-written lines reach the CPU pages (unless
+  the CPU wrote the line meanwhile: its write-back wins, as clflush of a dirty line does), then the CPU pages
+  become the device's copy;
+* ``stale(lo, hi)``: the first and last byte of the range the CPU wrote since its last sync (its pages differ
+  from the device's copy, or for a device-written line from what the CPU held when the device wrote it): a
+  write the device would not see;
 * ``written(lo, hi, whole)``: after a job, the lines the device wrote: all of the range (a DMA that only
   writes, S2MM, covers its whole buffer descriptor), or the lines whose device copy now differs from the CPU
   pages (the range was checked equal before the job).
@@ -39,6 +41,9 @@ class DeviceView:
         self.cpu = np.frombuffer(cpu, dtype=np.uint8)
         self.dev = np.zeros(len(self.cpu), dtype=np.uint8) if initial is None else initial
         self.dirty = np.zeros(-(-len(self.cpu) // LINE), dtype=bool)
+        # What the CPU held of each device-written line when the device wrote it (its cache's copy): a CPU write
+        # since shows as a difference from it (allocated on the first device write; zero pages until touched).
+        self.base: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -49,6 +54,11 @@ class DeviceView:
         first, last = lo // LINE, -(-hi // LINE)
         return first, last, first * LINE, min(last * LINE, self.size)
 
+    def _per_line(self, mask: np.ndarray) -> np.ndarray:
+        """Byte mask of whole lines (the last one maybe short) -> one bool per line: any byte set."""
+        pad = (-len(mask)) % LINE
+        return np.concatenate([mask, np.zeros(pad, dtype=bool)]).reshape(-1, LINE).any(axis=1)
+
     def _dirty_bytes(self, lo: int, hi: int) -> np.ndarray | None:
         """A byte mask of [lo, hi) covering device-written lines, or None when there are none."""
         first, last, start, _ = self._lines(lo, hi)
@@ -58,23 +68,24 @@ class DeviceView:
         return np.repeat(lines, LINE)[lo - start:hi - start]
 
     def sync(self, lo: int, hi: int) -> None:
-        """SYNC_BO over [lo, hi): the covering lines are flushed both ways."""
+        """SYNC_BO over [lo, hi): per covering line, clflush writes back a line the CPU wrote since its last sync
+        and otherwise drops the CPU's copy, so a device-written line reaches the CPU unless the CPU wrote it."""
         if hi <= lo:
             return
         first, last, start, end = self._lines(lo, hi)
         mask = self._dirty_bytes(start, end)
         if mask is not None:
-            self.cpu[start:end][mask] = self.dev[start:end][mask]
+            cpu_wrote = self._per_line(self.cpu[start:end] != self.base[start:end])
+            take = mask & ~np.repeat(cpu_wrote, LINE)[:end - start]
+            self.cpu[start:end][take] = self.dev[start:end][take]
             self.dirty[first:last] = False
         self.dev[start:end] = self.cpu[start:end]
 
     def stale(self, lo: int, hi: int) -> tuple[int, int] | None:
         """(first, end) of the bytes of [lo, hi) the CPU changed since their last sync, or None."""
-        differ = self.cpu[lo:hi] != self.dev[lo:hi]
         mask = self._dirty_bytes(lo, hi)
-        if mask is not None:
-            differ &= ~mask
-        where = np.flatnonzero(differ)
+        reference = self.dev[lo:hi] if mask is None else np.where(mask, self.base[lo:hi], self.dev[lo:hi])
+        where = np.flatnonzero(self.cpu[lo:hi] != reference)
         if not where.size:
             return None
         return lo + int(where[0]), lo + int(where[-1]) + 1
@@ -85,12 +96,18 @@ class DeviceView:
             return
         first, last, start, end = self._lines(lo, hi)
         if whole:
-            self.dirty[first:last] = True
-            return
-        differ = np.zeros(end - start, dtype=bool)
-        differ[lo - start:hi - start] = self.cpu[lo:hi] != self.dev[lo:hi]
-        pad = (-len(differ)) % LINE
-        self.dirty[first:last] |= np.concatenate([differ, np.zeros(pad, bool)]).reshape(-1, LINE).any(axis=1)
+            lines = np.ones(last - first, dtype=bool)
+        else:
+            differ = np.zeros(end - start, dtype=bool)
+            differ[lo - start:hi - start] = self.cpu[lo:hi] != self.dev[lo:hi]
+            lines = self._per_line(differ)
+        new = lines & ~self.dirty[first:last]
+        if new.any():
+            if self.base is None:
+                self.base = np.zeros(self.size, dtype=np.uint8)
+            take = np.repeat(new, LINE)[:end - start]
+            self.base[start:end][take] = self.cpu[start:end][take]
+        self.dirty[first:last] |= lines
 
 
 def view_for(key: tuple[int, int], cpu: memoryview) -> DeviceView:

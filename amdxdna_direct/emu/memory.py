@@ -137,6 +137,7 @@ def release_backing(bo: Bo) -> None:
     the pages (the pages live as long as any mapping does, as in the kernel).
     """
     bo.released = True
+    bo.view = None          # the device copy goes with the last BO over the file (an import may keep it)
     if bo.memfd >= 0:
         os.close(bo.memfd)
         bo.memfd = -1
