@@ -230,11 +230,9 @@ ENTRY = "<IIIIqQQQQQQQQIIIIIIIIIIIIII"      # amdxdna_drm_hwctx_entry, 144 bytes
 def test_rule_55(entry_size):
     """GET_ARRAY HW_CONTEXT_ALL hands back the profile's element size (mainline 144, staging/OOT 160 with the
     process name), packs as many entries as num_element x element_size bytes hold, and fills every field."""
-    with emu_device("npu4", hwctx_entry_size=entry_size, tdr_timeout=0.2) as dev:
-        npu = Npu.__new__(Npu)                       # the Npu helpers over this device
-        npu.dev, npu.seam, npu.gen = dev, dev.open(), 4
-        npu.raw = Raw(npu.seam)
-        npu.heap, npu.heap_va = npu.raw.heap()
+    npu = Npu("npu4", tdr=0.2, hwctx_entry_size=entry_size)
+    try:
+        dev = npu.dev
         qos = struct.pack("<6I", 2, 30, 400, 5, 6, 0x100)
         ctx, syncobj = npu.raw.create_hwctx(qos=qos, max_opc=2048)
         pdi = npu.raw.dev_bo(256)[0]
@@ -262,7 +260,8 @@ def test_rule_55(entry_size):
                 assert data[144:160].rstrip(b"\0") == comm.read().strip()[:15]
         data, size, count = hwctx_all(npu.raw, 200, 1)               # 200 bytes hold one entry
         assert (size, count) == (entry_size, 1)
-        npu.seam.close()
+    finally:
+        npu.close()
 
 
 def test_rule_55_profile_option_is_checked():
