@@ -8,7 +8,8 @@ from . import errors
 from .bo import Bo
 from .device import Device, open_device
 from .hwctx import HwContext
-from .kernel import Kernel, Run, RunList
+from .kernel import DEFAULT_TIMEOUT, FOREVER, Kernel, Run, RunList
 from .xclbin import Xclbin
 
-__all__ = ["open_device", "Device", "Bo", "HwContext", "Kernel", "Run", "RunList", "Xclbin", "errors"]
+__all__ = ["open_device", "Device", "Bo", "HwContext", "Kernel", "Run", "RunList", "Xclbin", "errors",
+           "DEFAULT_TIMEOUT", "FOREVER"]

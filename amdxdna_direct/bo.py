@@ -24,10 +24,13 @@ from .device import (
     gem_close,
     get_bo_info,
     map_bo,
+    prime_fd_to_handle,
+    prime_handle_to_fd,
     release_quietly,
     release_steps,
 )
 from .errors import ioctl_error
+from .seam import dmabuf_size
 
 if TYPE_CHECKING:
     from .device import Device
@@ -93,26 +96,9 @@ class Bo:
         if not 0 < size <= _U64_MAX - PAGE_SIZE + 1:
             raise ValueError(f"Bo size must be positive and fit CREATE_BO's u64 once page aligned, got {size}")
         device.file.check_open("CREATE_BO", {"type": _BO_TYPES[kind][1], "size": size})
-        self.device = device
-        self.size = size
-        self.kind = kind
-        self.offset = 0
-        self.parent: Bo | None = None
-        self._subs: weakref.WeakSet[Bo] = weakref.WeakSet()
-        self._closed = False
-        self._release = None
-        self._mappings: list[CpuMapping] = []
-        file = device.file
+        self._start(device, size, kind)
         handle, info, cpu, map_len = _allocate(device, size, kind)
-        self.handle = handle
-        self.info = info
-        self.cpu_address = cpu
-        # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
-        self.address = info.xdna_addr if info.xdna_addr != abi.AMDXDNA_INVALID_ADDR else cpu
-        self._mappings = ([CpuMapping(file, cpu, map_len)] if map_len
-                          else device.heap_mappings(cpu, size) if kind == "dev" else [])
-        self._release = file.register(_release_bo, file, handle, self._mappings[0] if map_len else None)
-        self._finalizer = weakref.finalize(self, release_quietly, self._release, "buffer")
+        self._attach(handle, info, cpu, map_len)
         if kind == "shmem":
             # "new pages may carry dirty cache lines that would later overwrite device output": the
             # shim flushes every new SHARE BO (spec 1.4 "Initial flush").
@@ -121,6 +107,93 @@ class Bo:
             except BaseException:
                 self.close()
                 raise
+
+    def _start(self, device: Device, size: int, kind: str) -> None:
+        self.device = device
+        self.size = size
+        self.kind = kind
+        self.offset = 0
+        self.parent: Bo | None = None
+        self.imported = False
+        self._subs: weakref.WeakSet[Bo] = weakref.WeakSet()
+        self._closed = False
+        self._release = None
+        self._finalizer = None
+        self._mappings: list[CpuMapping] = []
+
+    def _attach(self, handle: int, info: BoInfo, cpu: int, map_len: int) -> None:
+        """Take over a handle counted with ``file.ref_handle``: addresses, mappings, the release action."""
+        file = self.device.file
+        self.handle = handle
+        self.info = info
+        self.cpu_address = cpu
+        # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
+        self.address = info.xdna_addr if info.xdna_addr != abi.AMDXDNA_INVALID_ADDR else cpu
+        self._mappings = ([CpuMapping(file, cpu, map_len)] if map_len
+                          else self.device.heap_mappings(cpu, self.size) if self.kind == "dev" else [])
+        self._release = file.register(_release_bo, file, handle, self._mappings[0] if map_len else None)
+        self._finalizer = weakref.finalize(self, release_quietly, self._release, "buffer")
+
+    @classmethod
+    def imported_from(cls, device: Device, fd: int, size: int | None = None) -> Bo:
+        """Import the dma-buf ``fd`` (another device's or this one's export): PRIME_FD_TO_HANDLE, GET_BO_INFO,
+        mmap of ``size`` bytes (default: the whole dma-buf). Use ``device.import_bo``.
+
+        The caller keeps ``fd`` (close it when convenient: the import holds the buffer). Importing a buffer
+        this device file already holds (its own export) returns the same GEM handle: both Bo objects share
+        it, and the last one closed closes it (docs/runtime.md 3.3).
+
+        Raises:
+            TypeError, ValueError: ``fd`` is not an int >= 0, or ``size`` is not in 1..the dma-buf's size.
+            XdnaError: ``fd`` is not an open dma-buf (EBADF / ESPIPE from lseek), the driver refused the
+                import, the buffer is not mappable (EINVAL), or the mapping failed (nothing is left held).
+        """
+        if isinstance(fd, bool) or not isinstance(fd, (int, np.integer)) or fd < 0:
+            raise TypeError(f"import_bo: fd must be an open file descriptor (int >= 0), got {fd!r}")
+        fd = int(fd)
+        file = device.file
+        file.check_open("PRIME_FD_TO_HANDLE", {"fd": fd})
+        try:
+            total = dmabuf_size(fd)
+        except OSError as exc:
+            raise file.error("lseek", {"fd": fd}, exc, "not an open dma-buf") from exc
+        if size is None:
+            size = total
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 0 < size <= total:
+            raise ValueError(f"import_bo: size must be an int in 1..{total} (the dma-buf's size), got {size!r}")
+        bo = object.__new__(cls)
+        bo._start(device, int(size), "shmem")
+        handle = prime_fd_to_handle(file, fd)
+        file.ref_handle(handle)
+        try:
+            info = get_bo_info(file, handle)
+            if info.map_offset == abi.AMDXDNA_INVALID_ADDR:
+                raise ioctl_error("mmap", {"handle": handle}, errno.EINVAL,
+                                  "the imported buffer has no map offset (a DEV buffer cannot be mapped)")
+            map_len = (bo.size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
+            cpu = map_bo(file, map_len, info.map_offset)
+        except BaseException:
+            release_steps(lambda: _close_handle(file, handle))
+            raise
+        bo._attach(handle, info, cpu, map_len)
+        bo.imported = True
+        return bo
+
+    def export(self) -> int:
+        """Export this buffer as a dma-buf: PRIME_HANDLE_TO_FD (DRM_RDWR | DRM_CLOEXEC); returns the fd.
+
+        The caller owns the fd and closes it (``os.close``); the dma-buf keeps the memory alive as long as
+        it, or an import of it, exists (docs/runtime.md 3.3).
+
+        Raises:
+            ValueError: a sub-buffer (it shares its parent's handle: export the parent).
+            XdnaError: the buffer is closed, or the driver refused (a DEV buffer lives inside the heap).
+        """
+        if self.parent is not None:
+            raise ValueError(f"export: a sub-buffer (offset {self.offset}, {self.size} bytes) cannot be exported; "
+                             f"export its parent (handle {self.handle})")
+        self._check_open("PRIME_HANDLE_TO_FD")
+        return prime_handle_to_fd(self.device.file, self.handle)
 
     # -- sub-buffers ---------------------------------------------------------------------------
 
@@ -149,6 +222,7 @@ class Bo:
         sub._subs, sub._closed = weakref.WeakSet(), False
         sub._mappings = self._mappings
         sub._release = sub._finalizer = None
+        sub.imported = self.imported
         sub.parent._subs.add(sub)
         return sub
 
@@ -341,6 +415,7 @@ def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, i
         handle = device.growing_heap(lambda: create_bo(file, size, abi.AMDXDNA_BO_DEV, "DEV"))
     else:
         handle = create_bo(file, size, bo_type, type_name)
+    file.ref_handle(handle)
     try:
         info = get_bo_info(file, handle)
         if kind == "dev":
@@ -349,12 +424,18 @@ def _allocate(device: Device, size: int, kind: str) -> tuple[int, BoInfo, int, i
         map_len = (size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)
         return handle, info, map_bo(file, map_len, info.map_offset), map_len
     except BaseException:
-        release_steps(lambda: gem_close(file, handle))
+        release_steps(lambda: _close_handle(file, handle))
         raise
+
+
+def _close_handle(file: DeviceFile, handle: int) -> None:
+    # A handle shared by an export and its import into the same file is closed by its last holder.
+    if file.unref_handle(handle):
+        gem_close(file, handle)
 
 
 def _release_bo(file: DeviceFile, handle: int, mapping: CpuMapping | None) -> None:
     # munmap, then GEM_CLOSE (spec xrt-npu-sequence.md 1.10); DEV BOs have no mapping of their own.
     # With numpy views left the munmap waits for them (CpuMapping); the GEM handle goes now.
     steps = [mapping.release] if mapping is not None else []
-    release_steps(*steps, lambda: gem_close(file, handle))
+    release_steps(*steps, lambda: _close_handle(file, handle))

@@ -11,6 +11,7 @@ import errno
 import glob
 import logging
 import os
+import struct
 import threading
 import weakref
 from collections import Counter
@@ -28,9 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
-    "ClockMetadata", "FirmwareVersion", "HwContextInfo", "PowerMode", "ResourceInfo", "HeapChunk",
-    "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE", "HEAP_MAX_SIZE", "PCI_GENERATIONS",
-    "TXN_DEV_GEN", "pci_generation",
+    "ClockMetadata", "FirmwareVersion", "HwContextEntry", "HWCTX_ENTRY_SIZE", "decode_hwctx_entries", "PowerMode",
+    "ResourceInfo", "HeapChunk", "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE",
+    "HEAP_MAX_SIZE", "PCI_GENERATIONS", "POWER_MODES", "TXN_DEV_GEN", "pci_generation",
 ]
 
 log = logging.getLogger("amdxdna_direct")
@@ -137,9 +138,19 @@ class FirmwareVersion:
         return f"{self.major}.{self.minor}.{self.patch}.{self.build}"
 
 
+HWCTX_STATE_NAMES = {0: "IDLE", 1: "ACTIVE"}   # amdxdna_drm_hwctx_entry.state (docs/runtime.md 2)
+
+
 @dataclass(frozen=True)
-class HwContextInfo:
-    """One QUERY_HW_CONTEXTS entry."""
+class HwContextEntry:
+    """One hardware context of the device, any process's (docs/runtime.md 2).
+
+    From GET_ARRAY(HW_CONTEXT_ALL) (``source == "GET_ARRAY"``): every field the driver's entry holds,
+    read up to the ``element_size`` the driver returned (144 bytes on mainline, 160 on staging /
+    out-of-tree drivers, which add the process ``name``); a field past that size is None. From
+    GET_INFO(QUERY_HW_CONTEXTS) (``source == "QUERY_HW_CONTEXTS"``, drivers without GET_ARRAY): the
+    first nine fields; the others are None.
+    """
 
     context_id: int
     start_col: int
@@ -150,9 +161,100 @@ class HwContextInfo:
     migrations: int
     preemptions: int
     errors: int
+    hwctx_id: int | None = None             # the firmware's context id
+    priority: int | None = None             # qos priority (AMDXDNA_QOS_*_PRIORITY)
+    heap_usage: int | None = None           # bytes of the fd's heap the context's own buffers take
+    suspensions: int | None = None
+    state: int | None = None                # 0 IDLE, 1 ACTIVE
+    pasid: int | None = None
+    gops: int | None = None                 # the QoS the context was created with ...
+    fps: int | None = None
+    dma_bandwidth: int | None = None
+    latency: int | None = None
+    frame_exec_time: int | None = None      # ... down to here
+    txn_op_idx: int | None = None           # health: the TXN op the firmware was at
+    ctx_pc: int | None = None
+    fatal_error_type: int | None = None
+    fatal_error_exception_type: int | None = None
+    fatal_error_exception_pc: int | None = None
+    fatal_error_app_module: int | None = None
+    name: str | None = None                 # the process name (160-byte entries only)
+    element_size: int = 0                   # bytes per entry as the driver returned them
+    source: str = "GET_ARRAY"
+
+    @property
+    def state_name(self) -> str | None:
+        """``IDLE`` / ``ACTIVE`` (``STATE_<n>`` for another value), None when the driver did not say."""
+        if self.state is None:
+            return None
+        return HWCTX_STATE_NAMES.get(self.state, f"STATE_{self.state}")
+
+
+# GET_ARRAY(HW_CONTEXT_ALL) entry fields in struct order, from the cdef (docs/runtime.md 2).
+_ENTRY_CTYPE = "struct amdxdna_drm_hwctx_entry"
+_QUERY_FIELDS = ("context_id", "start_col", "num_col", "pid", "command_submissions", "command_completions",
+                 "migrations", "preemptions", "errors")
+HWCTX_ENTRY_SIZE = abi.ffi.sizeof(_ENTRY_CTYPE)
+#: GET_ARRAY's element count limit (AMDXDNA_MAX_NUM_ELEMENT, docs/runtime.md 2).
+MAX_ARRAY_ELEMENTS = 1024
+
+
+def _entry_layout() -> tuple[tuple[str, int, str], ...]:
+    """(field, offset, struct format) for every field of the entry but ``pad``."""
+    formats = {1: "B", 4: "I", 8: "Q"}
+    out = []
+    for name, field in abi.ffi.typeof(_ENTRY_CTYPE).fields:
+        if name == "pad":
+            continue
+        ctype = field.type
+        if ctype.kind == "array":
+            out.append((name, field.offset, f"{ctype.length}s"))
+        else:
+            fmt = formats[abi.ffi.sizeof(ctype)]
+            out.append((name, field.offset, fmt.lower() if ctype.cname.startswith("int") else fmt))
+    return tuple(out)
+
+
+_ENTRY_LAYOUT = _entry_layout()
+
+
+def decode_hwctx_entries(raw: bytes | bytearray | memoryview, element_size: int, count: int) -> list[HwContextEntry]:
+    """Decode ``count`` GET_ARRAY(HW_CONTEXT_ALL) entries of ``element_size`` bytes each from ``raw``.
+
+    Entry ``i`` starts at ``i * element_size``; a field is read only if it lies wholly inside the first
+    ``element_size`` bytes of the entry (else it is None): 144-byte mainline entries have no ``name``.
+
+    Raises:
+        ValueError: ``element_size`` does not cover the nine fields every driver has, or ``raw`` is
+            shorter than ``count * element_size``.
+    """
+    minimum = max(off + struct.calcsize(fmt) for name, off, fmt in _ENTRY_LAYOUT if name in _QUERY_FIELDS)
+    if element_size < minimum:
+        raise ValueError(f"hwctx entries of {element_size} bytes: an entry holds at least {minimum}")
+    if count < 0 or len(raw) < count * element_size:
+        raise ValueError(f"{count} hwctx entries of {element_size} bytes need {count * element_size} bytes, "
+                         f"got {len(raw)}")
+    view = memoryview(raw).cast("B")
+    covered = [(name, off, fmt) for name, off, fmt in _ENTRY_LAYOUT if off + struct.calcsize(fmt) <= element_size]
+    entries = []
+    for i in range(count):
+        base = i * element_size
+        values = {name: struct.unpack_from("<" + fmt, view, base + off)[0] for name, off, fmt in covered}
+        if isinstance(values.get("name"), bytes):
+            values["name"] = values["name"].split(b"\0", 1)[0].decode(errors="replace")
+        entries.append(HwContextEntry(**values, element_size=element_size, source="GET_ARRAY"))
+    return entries
 
 
 POWER_MODE_NAMES = {0: "DEFAULT", 1: "LOW", 2: "MEDIUM", 3: "HIGH", 4: "TURBO"}
+#: Power mode names (lower case) -> amdxdna_power_mode_type values, for ``Device.set_power_mode``.
+POWER_MODES = {name.lower(): value for value, name in POWER_MODE_NAMES.items()}
+# SET_STATE(SET_POWER_MODE) refusals -> what to do (docs/runtime.md 3.2).
+_POWER_MODE_HINTS = {
+    errno.EACCES: "SET_STATE is root-only (DRM_ROOT_ONLY): the process needs CAP_SYS_ADMIN (run it as root)",
+    errno.EPERM: "SET_STATE is root-only (DRM_ROOT_ONLY): the process needs CAP_SYS_ADMIN (run it as root)",
+    errno.EOPNOTSUPP: "the driver supports DEFAULT, HIGH and TURBO only",
+}
 
 
 @dataclass(frozen=True)
@@ -227,6 +329,9 @@ class DeviceFile:
         self.lock = threading.RLock()
         self.closed = False
         self._children: list[Any] = []
+        # GEM handle -> Bo objects holding it: importing a dma-buf this fd already has returns the same handle
+        # (docs/runtime.md 3.3), which is closed once, by the last of them.
+        self._handle_refs: dict[int, int] = {}
         # Mappings whose munmap waits for numpy views (``CpuMapping``); the seam stays open until they are gone.
         self._pins = 0
         self._finish_pending = False
@@ -273,6 +378,22 @@ class DeviceFile:
         if isinstance(err, DeviceLostError) and self.lost is None:
             self.lost = err
         return err
+
+    def ref_handle(self, handle: int) -> int:
+        """Count one more holder of GEM ``handle``; returns the count."""
+        with self.lock:
+            self._handle_refs[handle] = self._handle_refs.get(handle, 0) + 1
+            return self._handle_refs[handle]
+
+    def unref_handle(self, handle: int) -> bool:
+        """Drop a holder of ``handle``; True when it was the last (the handle is then to be closed)."""
+        with self.lock:
+            left = self._handle_refs.get(handle, 1) - 1
+            if left > 0:
+                self._handle_refs[handle] = left
+                return False
+            self._handle_refs.pop(handle, None)
+            return True
 
     def register(self, fn: Callable[..., None], *args: Any) -> _Resource:
         """Record a release action; ``close`` runs the live ones in reverse order of registration."""
@@ -466,6 +587,14 @@ class Device:
             return None
 
     @property
+    def txn_dev_gen(self) -> int | None:
+        """The TXN header device generation this device's instruction streams must carry (3 NPU1, 4 NPU4/5/6):
+        the emulator's firmware setting, else ``TXN_DEV_GEN`` of ``generation``; None when that is unknown."""
+        if self.emulator is not None:
+            return self.emulator.profile.txn_dev_gen
+        return TXN_DEV_GEN.get(self.generation or "")
+
+    @property
     def emulator(self) -> Any:
         """The ``EmuDevice`` behind this device, or None on real hardware."""
         return self.file.emulator
@@ -611,6 +740,33 @@ class Device:
         return PowerMode(self._get_info("DRM_AMDXDNA_GET_POWER_MODE", "struct amdxdna_drm_get_power_mode")[0]
                          .power_mode)
 
+    def set_power_mode(self, mode: int | str) -> None:
+        """SET_STATE(SET_POWER_MODE): set the device-wide power mode (docs/runtime.md 3.2).
+
+        ``mode``: 0..4 or its name (``"default"``, ``"low"``, ``"medium"``, ``"high"``, ``"turbo"``, any case).
+        The driver takes it from a process with CAP_SYS_ADMIN only; setting the current mode does nothing.
+
+        Raises:
+            ValueError: ``mode`` is not one of the five modes.
+            PermissionDeniedError: the process lacks CAP_SYS_ADMIN (EACCES; EPERM), the message says so.
+            XdnaError: EOPNOTSUPP for LOW / MEDIUM (unsupported by the driver); EINVAL for TURBO while any
+                hardware context exists (every process's); another failure.
+        """
+        value = _power_mode_value(mode)
+        payload = abi.new("struct amdxdna_drm_set_power_mode", power_mode=value)
+        req = abi.new("struct amdxdna_drm_set_state", param=abi.DRM_AMDXDNA_SET_POWER_MODE,
+                      buffer_size=abi.ffi.sizeof(payload[0]), buffer=abi.address_of(payload))
+        fields = {"param": "SET_POWER_MODE", "power_mode": POWER_MODE_NAMES[value]}
+        try:
+            self.file.ioctl(abi.DRM_IOCTL_AMDXDNA_SET_STATE, req, fields)
+        except XdnaError as exc:
+            hint = _POWER_MODE_HINTS.get(exc.errno)
+            if hint is None and exc.errno == errno.EINVAL and value == abi.POWER_MODE_TURBO:
+                hint = "TURBO is refused while any hardware context exists (of any process): close them first"
+            if hint is None:
+                raise
+            raise ioctl_error("SET_STATE", fields, exc.errno, hint) from exc
+
     def resource_info(self) -> ResourceInfo:
         """GET_INFO QUERY_RESOURCE_INFO (feature level 0.4+).
 
@@ -620,22 +776,54 @@ class Device:
         r = self._get_info("DRM_AMDXDNA_QUERY_RESOURCE_INFO", "struct amdxdna_drm_get_resource_info")[0]
         return ResourceInfo(r.npu_clk_max, r.npu_tops_max, r.npu_task_max, r.npu_tops_curr, r.npu_task_curr)
 
-    def hw_contexts(self, max_entries: int = 64) -> list[HwContextInfo]:
-        """GET_INFO QUERY_HW_CONTEXTS: every context on the device.
+    def hw_contexts(self, max_entries: int = 64) -> list[HwContextEntry]:
+        """Every hardware context on the device (all processes'), as the driver describes them.
 
-        The returned buffer_size has changed meaning across versions (spec 10), so entries are counted
-        by what can be verified: context ids start at 1, a zeroed slot is unused.
+        GET_ARRAY(HW_CONTEXT_ALL) with room for ``max_entries`` entries of ``HWCTX_ENTRY_SIZE`` (160)
+        bytes; the driver writes min(160, its entry size) bytes per entry and returns that size, which
+        indexes the entries (144 on mainline, 160 on staging / out-of-tree drivers). A driver without
+        GET_ARRAY (feature level 0.0, Linux 6.14-6.17: EINVAL for the absent ioctl; EOPNOTSUPP) is asked
+        GET_INFO(QUERY_HW_CONTEXTS) instead: its entries carry ``source == "QUERY_HW_CONTEXTS"`` and only
+        the nine fields that query has (docs/runtime.md 2).
 
         Raises:
-            ValueError: ``max_entries`` is not an int in 1..4096.
-            XdnaError: the query failed.
+            ValueError: ``max_entries`` is not an int in 1..1024 (the driver's GET_ARRAY limit).
+            XdnaError: the query failed, or the driver answered an element size or count that does not fit
+                what was asked (EPROTO, naming the values).
         """
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 1 <= max_entries <= 4096:
-            raise ValueError(f"hw_contexts: max_entries must be an int in 1..4096, got {max_entries!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) \
+                or not 1 <= max_entries <= MAX_ARRAY_ELEMENTS:
+            raise ValueError(f"hw_contexts: max_entries must be an int in 1..{MAX_ARRAY_ELEMENTS}, got {max_entries!r}")
+        try:
+            return self._context_array(max_entries)
+        except XdnaError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
         out = self._get_info("DRM_AMDXDNA_QUERY_HW_CONTEXTS", "struct amdxdna_drm_query_hwctx", max_entries)
-        return [HwContextInfo(e.context_id, e.start_col, e.num_col, e.pid, e.command_submissions,
-                              e.command_completions, e.migrations, e.preemptions, e.errors)
+        size = abi.ffi.sizeof("struct amdxdna_drm_query_hwctx")
+        # The returned buffer_size changed meaning across versions (spec 10): entries are counted by what
+        # can be verified, context ids start at 1 and a zeroed slot is unused.
+        return [HwContextEntry(*(getattr(e, name) for name in _QUERY_FIELDS), element_size=size,
+                               source="QUERY_HW_CONTEXTS")
                 for e in out if e.context_id != 0]
+
+    def _context_array(self, max_entries: int) -> list[HwContextEntry]:
+        ffi = abi.ffi
+        buf = ffi.new("uint8_t[]", HWCTX_ENTRY_SIZE * max_entries)
+        req = abi.new("struct amdxdna_drm_get_array", param=abi.DRM_AMDXDNA_HW_CONTEXT_ALL,
+                      element_size=HWCTX_ENTRY_SIZE, num_element=max_entries, buffer=abi.address_of(buf))
+        fields = {"param": "HW_CONTEXT_ALL", "element_size": HWCTX_ENTRY_SIZE, "num_element": max_entries}
+        self.file.ioctl(abi.DRM_IOCTL_AMDXDNA_GET_ARRAY, req, fields)
+        size, count = int(req.element_size), int(req.num_element)
+        if count and not 0 < size <= HWCTX_ENTRY_SIZE or count > max_entries:
+            raise ioctl_error("GET_ARRAY", fields, errno.EPROTO,
+                              f"the driver answered element_size={size}, num_element={count}")
+        if not count:
+            return []
+        try:
+            return decode_hwctx_entries(ffi.buffer(buf), size, count)
+        except ValueError as exc:
+            raise ioctl_error("GET_ARRAY", fields, errno.EPROTO, str(exc)) from exc
 
     # -- the device heap -----------------------------------------------------------------------
 
@@ -746,6 +934,20 @@ class Device:
 
         return Bo(self, size, kind)
 
+    def import_bo(self, fd: int, size: int | None = None) -> Bo:
+        """Import a dma-buf (``Bo.export`` of this or another device) as a SHMEM buffer of this device.
+
+        See ``Bo.imported_from`` (docs/runtime.md 3.3): the import of this file's own export shares its
+        handle, closed by the last of the two.
+
+        Raises:
+            TypeError, ValueError: a bad ``fd`` or ``size``.
+            XdnaError: not an open dma-buf, or the driver refused it.
+        """
+        from .bo import Bo
+
+        return Bo.imported_from(self, fd, size)
+
     def hw_context(self, xclbin: Any, kernel: str | None = None, priority: int | str | None = None) -> HwContext:
         """Create a hardware context for ``xclbin`` (CREATE_HWCTX + PDI DEV BOs + CONFIG_CU).
 
@@ -757,6 +959,14 @@ class Device:
 
         self.file.check_open("hw_context")
         return HwContext(self, xclbin, kernel=kernel, priority=priority)
+
+
+def _power_mode_value(mode: int | str) -> int:
+    if isinstance(mode, str) and mode.lower() in POWER_MODES:
+        return POWER_MODES[mode.lower()]
+    if isinstance(mode, int) and not isinstance(mode, bool) and mode in POWER_MODE_NAMES:
+        return mode
+    raise ValueError(f"set_power_mode: mode must be one of {', '.join(POWER_MODES)} or 0..4, got {mode!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -807,6 +1017,28 @@ def gem_close(file: DeviceFile, handle: int) -> None:
     req = abi.ffi.new("struct drm_gem_close *")
     req.handle = handle
     file.ioctl(abi.DRM_IOCTL_GEM_CLOSE, req, {"handle": handle})
+
+
+def prime_handle_to_fd(file: DeviceFile, handle: int) -> int:
+    """DRM_IOCTL_PRIME_HANDLE_TO_FD with DRM_RDWR | DRM_CLOEXEC; returns the new dma-buf fd.
+
+    Raises:
+        XdnaError: the driver refused.
+    """
+    req = abi.new("struct drm_prime_handle", handle=handle, flags=abi.DRM_RDWR | abi.DRM_CLOEXEC, fd=-1)
+    file.ioctl(abi.DRM_IOCTL_PRIME_HANDLE_TO_FD, req, {"handle": handle, "flags": "RDWR|CLOEXEC"})
+    return int(req.fd)
+
+
+def prime_fd_to_handle(file: DeviceFile, fd: int) -> int:
+    """DRM_IOCTL_PRIME_FD_TO_HANDLE; returns this fd's GEM handle of the dma-buf (an existing one if it has it).
+
+    Raises:
+        XdnaError: the driver refused (EBADF: not an open fd; EINVAL: not a dma-buf it can import).
+    """
+    req = abi.new("struct drm_prime_handle", fd=fd)
+    file.ioctl(abi.DRM_IOCTL_PRIME_FD_TO_HANDLE, req, {"fd": fd})
+    return int(req.handle)
 
 
 def map_bo(file: DeviceFile, length: int, offset: int, addr: int = 0) -> int:
@@ -883,7 +1115,8 @@ def unmap(file: DeviceFile, addr: int, length: int) -> None:
 def open_device(spec: Any = None) -> Device:
     """Open a device.
 
-    ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device), an
+    ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device; the emulator is
+    not cache coherent, ``"emu:<profile>:coherent"`` models the caches away), an
     ``EmuDevice`` (a new fd on it), a path such as ``"/dev/accel/accel0"``, or None: the environment
     variable ``AMDXDNA_DEVICE`` if set, else the first ``/dev/accel/accel*`` bound to amdxdna.
 
@@ -900,11 +1133,16 @@ def open_device(spec: Any = None) -> Device:
     if isinstance(spec, str) and (spec == "emu" or spec.startswith("emu:")):
         from .emu import PROFILES, EmuDevice
 
-        profile = spec.partition(":")[2] or DEFAULT_EMU_PROFILE
+        _, _, rest = spec.partition(":")
+        profile, _, variant = rest.partition(":")
+        profile = profile or DEFAULT_EMU_PROFILE
         if profile not in PROFILES:
             raise ValueError(f"open_device({spec!r}): unknown emulator profile {profile!r} "
                              f"(profiles: {', '.join(sorted(PROFILES))})")
-        emu = EmuDevice(profile)
+        if variant not in ("", "coherent"):
+            raise ValueError(f"open_device({spec!r}): unknown emulator variant {variant!r} (only 'coherent': "
+                             f"'emu:{profile}:coherent', caches modelled away)")
+        emu = EmuDevice(profile, coherent=True) if variant else EmuDevice(profile)
         try:
             return Device(emu.open(), emulator=emu, owns_emulator=True)
         except BaseException:

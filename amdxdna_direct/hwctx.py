@@ -8,8 +8,10 @@ Teardown: SYNCOBJ_DESTROY before DESTROY_HWCTX (spec 1.10), then the PDI buffers
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import logging
 import os
 import threading
 import weakref
@@ -29,8 +31,10 @@ if TYPE_CHECKING:
     from .device import Device
     from .kernel import Kernel, Run, RunList
 
-__all__ = ["HwContext", "ComputeUnit", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin", "create_hwctx",
-           "release_context"]
+__all__ = ["HwContext", "ComputeUnit", "Instructions", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin", "create_hwctx",
+           "instruction_bytes", "release_context"]
+
+log = logging.getLogger("amdxdna_direct")
 
 # Out-of-tree drivers copy a 32-byte qos_info (adds user_start_col, reserved), upstream 24 bytes:
 # a 32-byte buffer works with both (spec amdxdna-uapi.md 12). user_start_col 0xFF = "not requested".
@@ -179,7 +183,8 @@ class HwContext:
         self.num_tiles = self.column_width * metadata.core.row_count
         self.max_opc = int(self.xclbin.partition.ops_per_cycle)
         self._lock = threading.Lock()
-        self._insts: dict[str, tuple[Bo, int]] = {}
+        self._insts: dict[str, Instructions] = {}      # by sha256 of the current bytes
+        self._uploads: list[Instructions] = []           # every upload, closed with the context
         self._kernels: dict[str, Kernel] = {}
         self._runs: weakref.WeakSet[Run | RunList] = weakref.WeakSet()
         self._closed = False
@@ -270,32 +275,42 @@ class HwContext:
                 self._kernels[cu.kernel.name] = Kernel(self, cu)
             return self._kernels[cu.kernel.name]
 
-    def instructions(self, stream: Any) -> tuple[Bo, int]:
-        """Upload an instruction stream once per context; returns (DEV buffer, word count).
+    def instructions(self, stream: Any) -> Instructions:
+        """Upload an instruction stream once per context (cached by the sha256 of its bytes).
 
-        ``stream``: ``insts.Stream``, bytes (binary or text), a path, or a sequence of u32 words.
-        Streams are cached by sha256 of their encoded bytes.
+        ``stream``: bytes (binary or text), a path, u32 words or an ``insts.Stream``. Its bytes go into the
+        DEV buffer as given (docs/runtime.md 1): only the header is checked, against this device's TXN
+        generation too; ops the runtime does not decode are logged once per stream (WARNING), not refused.
 
         Raises:
-            InstsError: the stream is malformed.
+            InstsError: the header is malformed, the ops do not add up to it, or the stream is for another
+                device generation.
+            TypeError: unsupported input type.
             XdnaError: allocation or sync failed, or the context is closed.
         """
         self.check_open("instructions")
-        data = encode_instructions(stream)
+        data, parsed = instruction_bytes(stream)
         digest = hashlib.sha256(data).hexdigest()
         with self._lock:
             cached = self._insts.get(digest)
-            if cached is not None and not cached[0].closed:
+            if cached is not None and not cached.bo.closed:
                 return cached
-            bo = self.device.bo(len(data), "dev")
-            try:
-                bo.write(data)
-                bo.sync()
-            except BaseException:
-                bo.close()
-                raise
-            self._insts[digest] = (bo, len(data) // 4)
-            return self._insts[digest]
+            parsed = parsed if parsed is not None else insts_mod.decode(data)
+            check_generation(parsed, self.device.txn_dev_gen, self.device.generation)
+            _warn_raw_ops(parsed, digest)
+            prepared = Instructions(self, data, digest)
+            self._insts[digest] = prepared
+            self._uploads.append(prepared)
+            return prepared
+
+    def _rekey(self, prepared: Instructions, old: str) -> None:
+        """``prepared`` was rewritten: file it under its new digest (a later upload of the old bytes gets a
+        buffer of its own)."""
+        if self._insts.get(old) is prepared:
+            del self._insts[old]
+        current = self._insts.get(prepared.digest)
+        if current is None or current.bo.closed:
+            self._insts[prepared.digest] = prepared
 
     def track(self, unit: Run | RunList) -> None:
         """Remember a run or run list so that ``close`` releases its packet buffers first."""
@@ -319,31 +334,167 @@ class HwContext:
             return
         self._closed = True
         steps = [run.close for run in list(self._runs)]
-        steps += [bo.close for bo, _ in self._insts.values()]
+        steps += [prepared.bo.close for prepared in self._uploads]
         self._finalizer.detach()
         release_steps(*steps, self._release)
 
 
-def encode_instructions(stream: Any) -> bytes:
-    """Canonical bytes of an instruction stream given as Stream, bytes, path or u32 words.
+def instruction_bytes(stream: Any) -> tuple[bytes, insts_mod.Stream | None]:
+    """The bytes to upload for an instruction stream, and its decoded form when the input was one.
+
+    Bytes and files go as given (a ``.txt`` stream becomes its little-endian words), u32 words as their
+    little-endian bytes, an ``insts.Stream`` as its encoding (docs/runtime.md 1).
 
     Raises:
-        InstsError: malformed stream.
+        InstsError: words that are not u32 values, a text line that is not a hex word, or a Stream that
+            does not encode.
         TypeError: unsupported input type.
+        OSError: the file cannot be read.
     """
     if isinstance(stream, insts_mod.Stream):
-        return insts_mod.encode(stream)
+        return insts_mod.encode(stream), stream
     if isinstance(stream, (bytes, bytearray, memoryview, str, os.PathLike)):
-        return insts_mod.encode(insts_mod.load(stream))
+        return insts_mod.stream_bytes(insts_mod.read_input(stream, "instructions")), None
     if isinstance(stream, (np.ndarray, Sequence)):
         words = np.asarray(stream)
         if words.ndim != 1 or not (words.size == 0 or np.issubdtype(words.dtype, np.integer)) \
                 or (words.size and (int(words.min()) < 0 or int(words.max()) > 0xFFFFFFFF)):
             raise insts_mod.InstsError(f"instruction words must be a flat sequence of u32 values (0..0xFFFFFFFF), "
                                        f"got {words.dtype} of shape {words.shape}")
-        return insts_mod.encode(insts_mod.decode(words.astype(np.uint32).tobytes()))
+        return words.astype("<u4").tobytes(), None
     raise TypeError(f"instruction stream must be an insts.Stream, bytes, a path or u32 words, "
                     f"got {type(stream).__name__}")
+
+
+def check_generation(stream: insts_mod.Stream, expected: int | None, generation: str | None) -> None:
+    """Refuse a stream whose TXN header names another device generation than ``expected``, the one of
+    the device (``Device.txn_dev_gen``; ``generation`` names it); nothing is checked when it is None.
+
+    Raises:
+        InstsError: the generations differ (names both).
+    """
+    if expected is not None and stream.dev_gen != expected:
+        raise insts_mod.InstsError(f"word 0: TXN header device generation {stream.dev_gen}, but {generation} runs "
+                                   f"generation {expected} streams (3 = NPU1, 4 = NPU4/5/6)")
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+_WARN_LISTED = 6
+
+
+def _warn_raw_ops(stream: insts_mod.Stream, digest: str) -> None:
+    """One WARNING per stream (sha256) and process naming the ops uploaded without being decoded."""
+    raw = insts_mod.raw_ops(stream)
+    if not raw:
+        return
+    with _warned_lock:
+        if digest in _warned:
+            return
+        _warned.add(digest)
+    listed = ", ".join(f"{op.name} at word {start} ({op.size_bytes} bytes{'' if op.sized else ', length unknown'})"
+                       for start, op in raw[:_WARN_LISTED])
+    more = f" and {len(raw) - _WARN_LISTED} more" if len(raw) > _WARN_LISTED else ""
+    unchecked = "; its op count could not be checked" if stream.unwalked_ops or not raw[-1][1].sized else ""
+    log.warning("instruction stream %s (%d bytes) uploaded as given with %d op(s) the runtime does not decode: "
+                "%s%s%s; the firmware decides what they do", digest[:16], stream.size_bytes, len(raw), listed, more,
+                unchecked)
+
+
+class Instructions:
+    """An instruction stream uploaded to a DEV buffer of one context: the prepared stream of its runs.
+
+    Attributes: ``bo`` (the DEV buffer; its xdna_addr goes into the packets), ``nwords`` (the regmap's
+    ninstr, in words), ``digest`` (sha256 of the current bytes). Every run prepared from the same bytes
+    in the context shares it, so ``set_words`` changes the stream of all of them.
+    """
+
+    def __init__(self, ctx: HwContext, data: bytes, digest: str) -> None:
+        """Allocate the DEV buffer, copy the bytes in and flush them for the device.
+
+        Raises:
+            XdnaError: allocation or sync failed (nothing is left allocated).
+        """
+        self.ctx = ctx
+        self.nwords = len(data) // 4
+        self.digest = digest
+        self.bo = ctx.device.bo(len(data), "dev")
+        try:
+            self.bo.write(data)
+            self.bo.sync()
+        except BaseException:
+            self.bo.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"<Instructions {self.digest[:16]} words={self.nwords} bo={self.bo.handle}>"
+
+    def read(self) -> bytes:
+        """The bytes in the instruction buffer now.
+
+        Raises:
+            XdnaError: the buffer (or its context) is closed.
+        """
+        return self.bo.read()
+
+    def set_words(self, words: Sequence[tuple[int, int]]) -> None:
+        """Rewrite instruction words: ``[(index, value), ...]``, ``index`` counted in u32 words from the
+        start of the stream; flushed for the device, so the next run executes them (docs/runtime.md 3.1).
+
+        The result must still be a well-formed stream (its header and op lengths as ``insts.decode``
+        checks them); nothing is written otherwise. The header (words 0-3) is not rewritable.
+
+        Raises:
+            TypeError: ``words`` is not a sequence of (int, int) pairs.
+            ValueError: an index outside words 4..nwords-1, or a value that is not a u32.
+            InstsError: the rewritten stream would be malformed.
+            RuntimeError: a run of this stream is in flight (wait for it first).
+            XdnaError: the buffer (or its context) is closed, or SYNC_BO failed.
+        """
+        index, values = _word_pairs(words, self.nwords)
+        ctx = self.ctx
+        ctx.check_open("set_insts_words")
+        with ctx._lock, contextlib.ExitStack() as held:
+            # Holding the runs' locks keeps them from starting while the words change.
+            runs = [run for run in list(ctx._runs) if getattr(run, "insts", None) is self]
+            for run in runs:
+                held.enter_context(run._lock)
+            busy = [run for run in runs if run._in_flight or run._claimed_by is not None]
+            if busy:
+                raise RuntimeError(f"set_insts_words: {len(busy)} run(s) of this instruction stream are in flight: "
+                                   f"wait() first")
+            if not index.size:
+                return
+            view = self.bo.array(np.dtype("<u4"))
+            new = view.copy()
+            new[index] = values
+            insts_mod.decode(new.tobytes())
+            view[index] = values
+            lo, hi = int(index.min()), int(index.max()) + 1
+            self.bo.sync(4 * lo, 4 * (hi - lo))
+            old, self.digest = self.digest, hashlib.sha256(new.tobytes()).hexdigest()
+            ctx._rekey(self, old)
+
+
+def _word_pairs(words: Any, nwords: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, values) of ``[(index, value), ...]``, checked (see ``Instructions.set_words``)."""
+    if isinstance(words, (str, bytes, bytearray)) or not isinstance(words, Sequence):
+        raise TypeError(f"set_insts_words: words must be a sequence of (index, value) pairs, "
+                        f"got {type(words).__name__}")
+    index, values = [], []
+    for n, pair in enumerate(words):
+        if not isinstance(pair, Sequence) or isinstance(pair, (str, bytes)) or len(pair) != 2 \
+                or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in pair):
+            raise TypeError(f"set_insts_words: entry {n} must be an (index, value) pair of ints, got {pair!r}")
+        i, v = int(pair[0]), int(pair[1])
+        if not insts_mod.HEADER_WORDS <= i < nwords:
+            raise ValueError(f"set_insts_words: entry {n}: index {i} is outside words {insts_mod.HEADER_WORDS}.."
+                             f"{nwords - 1} of the {nwords}-word stream (words 0-3 are the TXN header)")
+        if not 0 <= v <= 0xFFFFFFFF:
+            raise ValueError(f"set_insts_words: entry {n}: value {v} at index {i} is not a u32")
+        index.append(i)
+        values.append(v)
+    return np.asarray(index, np.int64), np.asarray(values, np.uint32)
 
 
 def _destroy_syncobj(file: DeviceFile, syncobj: int) -> None:

@@ -6,8 +6,11 @@ Format facts: ``spec/xrt-npu-sequence.md`` section 2.3 and aie-rt ``driver/src/g
 ``XAie_CustomOpHdr`` + ``patch_op_t``, and the v1.0 "optimized" structs ``XAie_*Hdr_opt`` + ``patch_op_opt_t``
 that 2024 mlir-aie builds emitted with header major 1, minor 0).
 
-Decoding is strict: every reserved word must be zero and every size field must match, so that
-``encode(decode(b)) == b`` holds for everything :func:`decode` accepts.
+Decoding checks the header and walks the ops by their lengths (docs/runtime.md 1.1). The five ops the
+runtime understands (WRITE32, BLOCKWRITE, MASKWRITE, SYNC, DDR_PATCH) are decoded; any other op, or one
+of those five with a non-zero reserved field, is kept as a :class:`RawOp` holding its words, so that
+``encode(decode(b)) == b`` holds for every stream :func:`decode` accepts. ``decode(..., strict=True)``
+refuses raw ops instead.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "VERSION_2024", "VERSION_CURRENT", "BlockWrite", "DdrPatch", "InstsError", "MaskWrite", "Op", "Stream", "Sync",
-    "Write32", "decode", "dma_stream", "encode", "encode_words", "layout", "load",
+    "VERSION_2024", "VERSION_CURRENT", "OP_NAMES", "BlockWrite", "DdrPatch", "InstsError", "MaskWrite", "Op", "RawOp",
+    "Stream", "Sync", "Write32", "decode", "dma_stream", "encode", "encode_words", "layout", "load", "raw_ops",
 ]
 
 U32_MAX = 0xFFFF_FFFF
@@ -36,6 +39,29 @@ OP_BLOCKWRITE = 0x01
 OP_MASKWRITE = 0x03
 OP_SYNC = 0x80
 OP_DDR_PATCH = 0x81
+OP_CUSTOM_FIRST = 0x80
+
+#: aie-rt XAie_TxnOpcode names (docs/runtime.md 1.1).
+OP_NAMES = {
+    0x00: "WRITE32", 0x01: "BLOCKWRITE", 0x02: "BLOCKSET", 0x03: "MASKWRITE", 0x04: "MASKPOLL", 0x05: "NOOP",
+    0x06: "PREEMPT", 0x07: "MASKPOLL_BUSY", 0x08: "LOADPDI", 0x09: "LOAD_PM_START", 0x0A: "CREATE_SCRATCHPAD",
+    0x0B: "UPDATE_STATE_TABLE", 0x0C: "UPDATE_REG", 0x0D: "UPDATE_SCRATCH", 0x0E: "CONFIG_SHIMDMA_BD",
+    0x0F: "CONFIG_SHIMDMA_DMABUF_BD", 0x80: "SYNC", 0x81: "DDR_PATCH", 0x82: "READ_REGS", 0x83: "RECORD_TIMER",
+    0x84: "MERGE_SYNC", 0x85: "CUSTOM_OP_NEXT", 200: "LOAD_PM_END_INTERNAL",
+}
+# Op lengths (docs/runtime.md 1.1): fixed lengths in words per version, else the word holding the op's size in
+# bytes (its position in the op, and the least size it may declare: the op up to and including that word).
+_FIXED_LENGTH = {
+    VERSION_CURRENT: {0x05: 1, 0x06: 1, 0x08: 4, 0x09: 2, 0x0A: 4, 0x0B: 2, 0x0C: 3, 0x0D: 1},
+    VERSION_2024: {0x00: 3, 0x03: 4, 0x04: 4, 0x07: 4, 0x05: 1, 0x06: 1, 0x08: 4, 0x09: 2, 0x0A: 4, 0x0B: 2,
+                   0x0C: 3, 0x0D: 1},
+}
+_SIZE_WORD = {
+    VERSION_CURRENT: {0x00: 5, 0x01: 3, 0x02: 3, 0x03: 6, 0x04: 6, 0x07: 6},
+    VERSION_2024: {0x01: 2, 0x02: 2},
+}
+_CUSTOM_SIZE_WORD = 1
+_LENGTH_UNKNOWN = frozenset({200})   # LOAD_PM_END_INTERNAL: aie-rt internal, no encoding known
 
 HEADER_WORDS = 4
 
@@ -129,7 +155,35 @@ class DdrPatch:
     arg_plus: int
 
 
-Op = Write32 | BlockWrite | MaskWrite | Sync | DdrPatch
+@dataclass(frozen=True)
+class RawOp:
+    """An op kept as its words, as given: not one of the decoded ops, or one with a non-zero reserved field.
+
+    ``words`` is the whole op, its header word first. ``sized`` is False for an op whose length the runtime
+    does not know: its words then run to the end of the stream (docs/runtime.md 1.1). ``reason`` says why
+    the op was not decoded.
+    """
+
+    opcode: int
+    words: tuple[int, ...]
+    reason: str
+    sized: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "words", tuple(self.words))
+
+    @property
+    def name(self) -> str:
+        """The aie-rt name of the opcode (``MASKPOLL``, ``RECORD_TIMER`` ...), else ``OP_0x<nn>``."""
+        return OP_NAMES.get(self.opcode, f"OP_0x{self.opcode:02x}")
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the op in the stream."""
+        return 4 * len(self.words)
+
+
+Op = Write32 | BlockWrite | MaskWrite | Sync | DdrPatch | RawOp
 
 
 @dataclass(frozen=True)
@@ -137,6 +191,8 @@ class Stream:
     """A decoded TXN stream: the header fields and the ops in order.
 
     ``num_ops`` and ``size_bytes`` are derived from ``ops`` (the header copies are checked on decode).
+    ``pad`` is the header's reserved u16 (word 1 bits 31:16), kept as given. ``unwalked_ops`` counts the
+    ops of the header count that lie inside a final unsized :class:`RawOp` (their boundaries are unknown).
     """
 
     major: int
@@ -146,6 +202,8 @@ class Stream:
     cols: int
     mem_tile_rows: int
     ops: tuple[Op, ...]
+    pad: int = 0
+    unwalked_ops: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -158,7 +216,7 @@ class Stream:
     @property
     def num_ops(self) -> int:
         """Number of ops (header word 2)."""
-        return len(self.ops)
+        return len(self.ops) + self.unwalked_ops
 
     @property
     def size_bytes(self) -> int:
@@ -174,7 +232,7 @@ class Stream:
 # --------------------------------------------------------------------------------------------- loading
 
 
-def load(data: bytes | str | os.PathLike) -> Stream:
+def load(data: bytes | str | os.PathLike, strict: bool = False) -> Stream:
     """Load an instruction stream from bytes or a file, ``.bin`` (LE u32 words) or ``.txt`` (hex word per line).
 
     The format is detected from the content (spec 2.3): a binary TXN stream starts with the byte of the
@@ -185,10 +243,20 @@ def load(data: bytes | str | os.PathLike) -> Stream:
         OSError: the file cannot be read.
         TypeError: ``data`` is neither bytes nor a path.
     """
-    raw = read_input(data, "load")
+    return decode(stream_bytes(read_input(data, "load")), strict=strict)
+
+
+def stream_bytes(raw: bytes) -> bytes:
+    """The binary stream of a file's content: ``.txt`` words (one hex word per line) as little-endian bytes,
+    binary content as is.
+
+    Raises:
+        InstsError: a text line is not a 32-bit hex word.
+    """
     if _looks_like_text(raw):
-        return decode(_text_words(raw))
-    return decode(raw)
+        words = _text_words(raw)
+        return struct.pack(f"<{len(words)}I", *words)
+    return bytes(raw)
 
 
 def read_input(data: bytes | str | os.PathLike, operation: str) -> bytes:
@@ -232,12 +300,16 @@ def _text_words(raw: bytes) -> list[int]:
 # --------------------------------------------------------------------------------------------- decoding
 
 
-def decode(words: bytes | bytearray | memoryview | Sequence[int]) -> Stream:
+def decode(words: bytes | bytearray | memoryview | Sequence[int], strict: bool = False) -> Stream:
     """Decode a TXN stream given as little-endian bytes or as a sequence of 32-bit words.
 
+    The header is checked and the ops are walked by their lengths (docs/runtime.md 1.1); ops that are not
+    decoded are kept as :class:`RawOp`. With ``strict`` a raw op is an error instead.
+
     Raises:
-        InstsError: truncation, an unknown opcode or version, a bad op length, a non-zero reserved word,
-            or a header op count / size that disagrees with the data; the message names the word index.
+        InstsError: truncation, an unknown version, a header size or op count that disagrees with the
+            stream, an op whose size field is malformed or that runs past the end; with ``strict``, an op
+            that is not decoded. The message names the word index.
     """
     w = _as_words(words)
     if len(w) < HEADER_WORDS:
@@ -247,15 +319,26 @@ def decode(words: bytes | bytearray | memoryview | Sequence[int]) -> Stream:
     num_ops, size_bytes = w[2], w[3]
     if size_bytes != 4 * len(w):
         raise InstsError(f"word 3: header size_bytes {size_bytes} disagrees with the stream length {4 * len(w)}")
-    ops, index = [], HEADER_WORDS
+    ops: list[Op] = []
+    index, unwalked = HEADER_WORDS, 0
     for n in range(num_ops):
         if index >= len(w):
             raise InstsError(f"word {index}: stream ends after {n} ops, header num_ops says {num_ops}")
-        op, index = _decode_op(w, index, version)
-        ops.append(op)
+        length = _op_words(w, index, version)
+        if length is None:
+            ops.append(_unsized(w, index, strict))
+            unwalked, index = num_ops - n - 1, len(w)
+            break
+        ops.append(_decode_op(_Bounded(w, index + length), index, version, strict))
+        index += length
     if index != len(w):
         raise InstsError(f"word {index}: {len(w) - index} words left after the {num_ops} ops of the header")
-    return Stream(ops=tuple(ops), **header)
+    return Stream(ops=tuple(ops), unwalked_ops=unwalked, **header)
+
+
+def raw_ops(stream: Stream) -> list[tuple[int, RawOp]]:
+    """The ops of ``stream`` that are kept raw, with the word index where each starts."""
+    return [(start, op) for start, op in zip(layout(stream), stream.ops, strict=True) if isinstance(op, RawOp)]
 
 
 def _as_words(words: bytes | bytearray | memoryview | Sequence[int]) -> list[int]:
@@ -276,20 +359,82 @@ def _decode_header(w: list[int]) -> dict[str, int]:
     major, minor, dev_gen, rows = w[0] & 0xFF, (w[0] >> 8) & 0xFF, (w[0] >> 16) & 0xFF, w[0] >> 24
     if (major, minor) not in (VERSION_CURRENT, VERSION_2024):
         raise InstsError(f"word 0: TXN version {major}.{minor} unknown (expected 0.1 or 1.0); not a TXN stream?")
-    if w[1] >> 16:
-        raise InstsError(f"word 1: TXN header padding 0x{w[1] >> 16:04x} not zero")
     return {"major": major, "minor": minor, "dev_gen": dev_gen, "rows": rows,
-            "cols": w[1] & 0xFF, "mem_tile_rows": (w[1] >> 8) & 0xFF}
+            "cols": w[1] & 0xFF, "mem_tile_rows": (w[1] >> 8) & 0xFF, "pad": w[1] >> 16}
 
 
-def _decode_op(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+def _op_words(w: list[int], i: int, version: tuple[int, int]) -> int | None:
+    """Length in words of the op at word ``i`` (docs/runtime.md 1.1), None when the runtime does not know it.
+
+    Raises:
+        InstsError: the op's size word is past the end, not a multiple of 4, or smaller than the op up to it.
+    """
     opcode = w[i] & 0xFF
-    if w[i] >> 8:
-        raise InstsError(f"word {i}: op header 0x{w[i]:08x} has non-zero col/row/padding bytes")
+    fixed = _FIXED_LENGTH[version].get(opcode)
+    if fixed is not None:
+        return fixed
+    at = _SIZE_WORD[version].get(opcode)
+    if at is None and opcode >= OP_CUSTOM_FIRST and opcode not in _LENGTH_UNKNOWN:
+        at = _CUSTOM_SIZE_WORD
+    if at is None:
+        return None
+    name = OP_NAMES.get(opcode, f"custom op 0x{opcode:02x}")
+    if i + at >= len(w):
+        raise InstsError(f"word {i}: {name} is truncated before its size word {at}")
+    size = w[i + at]
+    if size % 4 or size < 4 * (at + 1):
+        raise InstsError(f"word {i + at}: {name} size {size} bytes is not a multiple of 4 >= {4 * (at + 1)}")
+    if i + size // 4 > len(w):
+        raise InstsError(f"word {i + at}: {name} of {size} bytes runs past the end of the stream "
+                         f"({4 * (len(w) - i)} bytes left)")
+    return size // 4
+
+
+class _Bounded:
+    """The words of a stream seen only up to ``end`` (an op's last word + 1), without copying them.
+
+    The decoders check every read against ``len`` first (``_take``), so indexing needs no check of its own."""
+
+    __slots__ = ("words", "end")
+
+    def __init__(self, words: list[int], end: int) -> None:
+        self.words, self.end = words, end
+
+    def __len__(self) -> int:
+        return self.end
+
+    def __getitem__(self, key):
+        return self.words[key]
+
+
+def _decode_op(w: _Bounded, i: int, version: tuple[int, int], strict: bool) -> Op:
+    """Decode the op at word ``i`` that ends at ``len(w)``, else keep it raw."""
+    opcode = w[i] & 0xFF
     decoder = _DECODERS.get(opcode)
-    if decoder is None:
-        raise InstsError(f"word {i}: unknown opcode 0x{opcode:02x}")
-    return decoder(w, i, version)
+    try:
+        if decoder is None:
+            raise InstsError(f"word {i}: opcode 0x{opcode:02x} ({OP_NAMES.get(opcode, 'unnamed')}) is not decoded")
+        if version == VERSION_CURRENT and w[i] >> 8:
+            raise InstsError(f"word {i}: op header 0x{w[i]:08x} has non-zero col/row/padding bytes")
+        if version == VERSION_2024 and w[i] >> 8:
+            raise InstsError(f"word {i}: op header 0x{w[i]:08x} has non-zero padding bytes")
+        op, end = decoder(w, i, version)
+        if end != len(w):
+            raise InstsError(f"word {i}: {OP_NAMES[opcode]} is {len(w) - i} words long, its encoding has {end - i}")
+        return op
+    except InstsError as exc:
+        if strict:
+            raise
+        return RawOp(opcode, tuple(w[i:len(w)]), str(exc))
+
+
+def _unsized(w: list[int], i: int, strict: bool) -> RawOp:
+    opcode = w[i] & 0xFF
+    name = OP_NAMES.get(opcode, f"0x{opcode:02x}")
+    reason = f"word {i}: opcode 0x{opcode:02x} ({name}) has no length the runtime knows; the op count is not checked"
+    if strict:
+        raise InstsError(reason)
+    return RawOp(opcode, tuple(w[i:]), reason, sized=False)
 
 
 def _take(w: list[int], i: int, n: int, name: str) -> list[int]:
@@ -404,11 +549,19 @@ def encode_words(stream: Stream) -> list[int]:
     for name in ("dev_gen", "rows", "cols", "mem_tile_rows"):
         if not 0 <= getattr(stream, name) <= 0xFF:
             raise InstsError(f"encode: header {name} {getattr(stream, name)} does not fit a byte")
+    if not 0 <= stream.pad <= 0xFFFF:
+        raise InstsError(f"encode: header pad {stream.pad} does not fit 16 bits")
+    last = len(stream.ops) - 1
+    if stream.unwalked_ops and not (stream.ops and isinstance(stream.ops[last], RawOp) and not stream.ops[last].sized):
+        raise InstsError(f"encode: unwalked_ops={stream.unwalked_ops} needs a final RawOp of unknown length")
     body: list[int] = []
     for n, op in enumerate(stream.ops):
+        if isinstance(op, RawOp) and not op.sized and n != last:
+            raise InstsError(f"encode: op {n} is a RawOp of unknown length; only the last op may be")
         body.extend(_encode_op(op, version, n))
     head = [stream.major | stream.minor << 8 | stream.dev_gen << 16 | stream.rows << 24,
-            stream.cols | stream.mem_tile_rows << 8, len(stream.ops), 4 * (HEADER_WORDS + len(body))]
+            stream.cols | stream.mem_tile_rows << 8 | stream.pad << 16, stream.num_ops,
+            4 * (HEADER_WORDS + len(body))]
     return head + body
 
 
@@ -443,6 +596,8 @@ def _op_length(op: Op, version: tuple[int, int]) -> int:
         return _SYNC_WORDS
     if isinstance(op, DdrPatch):
         return _DDR_PATCH_WORDS[version]
+    if isinstance(op, RawOp):
+        return len(op.words)
     raise InstsError(f"encode: {type(op).__name__} is not a TXN op")
 
 
@@ -470,7 +625,16 @@ def _encode_op(op: Op, version: tuple[int, int], n: int) -> list[int]:
         return _encode_sync(op, n)
     if isinstance(op, DdrPatch):
         return _encode_ddr_patch(op, version, n)
+    if isinstance(op, RawOp):
+        return _encode_raw(op, n)
     raise InstsError(f"encode: op {n} is a {type(op).__name__}, not a TXN op")
+
+
+def _encode_raw(op: RawOp, n: int) -> list[int]:
+    words = [_fit(n, "words", x, U32_MAX) for x in op.words]
+    if not words or words[0] & 0xFF != op.opcode:
+        raise InstsError(f"encode: op {n} RawOp words must start with its opcode 0x{op.opcode:02x}")
+    return words
 
 
 def _encode_blockwrite(op: BlockWrite, version: tuple[int, int], n: int) -> list[int]:

@@ -22,12 +22,16 @@ from .bo import Bo, unhold
 from .errors import CommandError, CommandTimeout, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
-    from .hwctx import ComputeUnit, HwContext
+    from .hwctx import ComputeUnit, HwContext, Instructions
 
-__all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "NPU_OPCODE_TXN"]
+__all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVER", "NPU_OPCODE_TXN"]
 
 CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
 NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
+#: Seconds a wait lasts unless told otherwise: the proven path's bound (docs/runtime.md 3.4).
+DEFAULT_TIMEOUT = 10.0
+#: The timeout that waits without bound (``wait(timeout=FOREVER)``); only the driver's TDR ends such a wait.
+FOREVER = math.inf
 _INT64_MAX = (1 << 63) - 1
 _U32_MAX = (1 << 32) - 1
 _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
@@ -37,22 +41,24 @@ _CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STAT
 
 
 def _check_timeout(timeout: float | None) -> float | None:
-    """The timeout in seconds, None (and infinity) meaning forever.
+    """The timeout in seconds, or None for "no bound": ``FOREVER`` (infinity) waits without bound, None
+    means ``DEFAULT_TIMEOUT`` (docs/runtime.md 3.4).
 
     Raises:
         ValueError: not a number >= 0 (NaN, negative, a string ...).
     """
     if timeout is None:
-        return None
+        return DEFAULT_TIMEOUT
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
             or not timeout >= 0:
-        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        raise ValueError(f"timeout must be a number of seconds >= 0, FOREVER (math.inf) or None (the default, "
+                         f"{DEFAULT_TIMEOUT} s), got {timeout!r}")
     return None if math.isinf(timeout) else float(timeout)
 
 
 def _monotonic_deadline_ns(timeout: float | None) -> int:
     # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (spec 1.9).
-    timeout = _check_timeout(timeout)
+    # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
     if timeout is None or timeout >= _INT64_MAX / 1e9:
         return _INT64_MAX
     return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9))
@@ -60,8 +66,8 @@ def _monotonic_deadline_ns(timeout: float | None) -> int:
 
 def _wait_cmd_ms(timeout: float | None) -> int:
     # WAIT_CMD counts milliseconds in a u32 and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
-    timeout = _check_timeout(timeout)
-    if timeout is None:
+    # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
+    if timeout is None or math.isinf(timeout):
         return 0
     return min(_U32_MAX, max(1, math.ceil(timeout * 1000)))
 
@@ -112,11 +118,12 @@ class Kernel:
     def prepare_npu(self, insts: Any, buffers: Sequence[Bo | None]) -> Run:
         """A run in the mlir-aie convention: ``(3, instruction buffer, word count, *buffers)`` (spec 2.2).
 
-        ``insts``: an ``insts.Stream``, bytes, a path or u32 words; uploaded to a DEV buffer once per
-        context (cached by digest). ``buffers`` fill bo0, bo1, ... in order.
+        ``insts``: bytes, a path, u32 words or an ``insts.Stream``; its bytes are uploaded as given to a
+        DEV buffer once per context (cached by digest; ``HwContext.instructions``, docs/runtime.md 1).
+        ``buffers`` fill bo0, bo1, ... in order. ``run.insts`` is the uploaded stream.
 
         Raises:
-            InstsError: the stream is malformed.
+            InstsError: the stream's header is malformed or names another device generation.
             TypeError: ``buffers`` is not a sequence.
             ValueError: more buffers than the kernel declares.
             XdnaError: upload or allocation failed.
@@ -124,8 +131,10 @@ class Kernel:
         if isinstance(buffers, (Bo, str, bytes)) or not isinstance(buffers, Sequence):
             raise TypeError(f"{self.name}: prepare_npu buffers must be a sequence of Bo or None, "
                             f"got {type(buffers).__name__}")
-        instr, nwords = self.ctx.instructions(insts)
-        return self.prepare(NPU_OPCODE_TXN, instr, nwords, *buffers)
+        prepared = self.ctx.instructions(insts)
+        run = self.prepare(NPU_OPCODE_TXN, prepared.bo, prepared.nwords, *buffers)
+        run.insts = prepared
+        return run
 
 
 def _arg_field(kernel: str, device: Any, decl: Any, value: Any) -> tuple[tuple[int, int, int], Bo | None]:
@@ -183,6 +192,7 @@ class Run:
             raise
         self.seq: int | None = None
         self.elapsed: float | None = None
+        self.insts: Instructions | None = None     # set by prepare_npu
         self._t0 = 0.0
         self._clobbered = False
         self._in_flight = False
@@ -281,8 +291,11 @@ class Run:
             self.elapsed = None
         return self
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
         """Wait for the last submission and check its state; returns ``ERT_CMD_STATE_COMPLETED``.
+
+        ``timeout``: seconds, ``DEFAULT_TIMEOUT`` (10 s) unless given; ``FOREVER`` (``math.inf``) waits
+        without bound; None means the default (docs/runtime.md 3.4).
 
         One SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on the
         context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
@@ -313,14 +326,32 @@ class Run:
                 if state == cmd.ERT_CMD_STATE_COMPLETED:
                     return state
                 self._clobbered = state in _CLOBBERED
-                raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view)
+                raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view,
+                                     emulated=self.ctx.device.emulator is not None)
             finally:
                 unhold(held)
 
-    def __call__(self, timeout: float | None = None) -> int:
+    def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
         _check_timeout(timeout)
         return self.start().wait(timeout)
+
+    def set_insts_words(self, words: Sequence[tuple[int, int]]) -> None:
+        """Rewrite words of this run's instruction stream (``[(index, value), ...]``, u32 word indices) in
+        its instruction buffer and flush them; the next start of every run of that stream executes them
+        (``Instructions.set_words``, docs/runtime.md 3.1).
+
+        Raises:
+            RuntimeError: the run was not prepared by ``prepare_npu``, or a run of the stream is in flight.
+            TypeError, ValueError: malformed pairs, an index outside the stream's words 4.., a value not a u32.
+            InstsError: the rewritten stream would be malformed (nothing is written).
+            XdnaError: the run or its context is closed, or SYNC_BO failed.
+        """
+        self.check_open("set_insts_words")
+        if self.insts is None:
+            raise RuntimeError(f"Run of {self.kernel.name} was not prepared by prepare_npu: it has no instruction "
+                               f"stream to rewrite")
+        self.insts.set_words(words)
 
     def close(self) -> None:
         """Release the packet buffer (idempotent)."""
@@ -360,13 +391,15 @@ class _Waiter:
             XdnaError: EBADF when the context was closed during the wait; the wait ioctl failed otherwise.
         """
         ctx, file = self.ctx, self.ctx.device.file
+        shown = DEFAULT_TIMEOUT if timeout is None else timeout      # as the caller put it, in messages
+        timeout = _check_timeout(timeout)
         try:
             if ctx.syncobj:
                 self.points[0] = seq
                 self.req.timeout_nsec = _monotonic_deadline_ns(timeout)
                 file.ioctl_buffer(abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, self.buf,
                                   {"handle": ctx.syncobj, "point": seq,
-                                   "timeout": "forever" if timeout is None else timeout})
+                                   "timeout": "forever" if timeout is None else shown})
             else:
                 self.req.seq = seq
                 self.req.timeout = _wait_cmd_ms(timeout)
@@ -378,7 +411,7 @@ class _Waiter:
                                   f"context closed while {what} waited ({exc})") from exc
             if exc.errno == errno.ETIME:
                 raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
-                                                  f"{timeout} s: {exc}", kernel=what, state="RUNNING",
+                                                  f"{shown} s: {exc}", kernel=what, state="RUNNING",
                                      seq=seq) from exc
             raise
 
@@ -410,8 +443,11 @@ class _Exec:
         return self.req.seq
 
 
+_EMULATOR_NOTE = "the emulated firmware logged why (logger amdxdna_direct.emu, level ERROR)"
+
+
 def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index: int | None = None,
-                   health_packet=None) -> CommandError:
+                   health_packet=None, emulated: bool = False) -> CommandError:
     name = cmd.state_name(state)
     err = _FAILED_STATES.get(state, errno.EINVAL)
     health = cmd.decode_health(health_packet if health_packet is not None else packet) \
@@ -422,6 +458,8 @@ def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index:
     if health is not None:
         message += (f"; health: txn_op_idx={health.txn_op_idx} ctx_pc={health.ctx_pc:#x} "
                     f"fatal_error_type={health.fatal_error_type:#x}")
+    if emulated and state == cmd.ERT_CMD_STATE_ERROR:
+        message += f"; {_EMULATOR_NOTE}"
     cls = CommandTimeout if state == cmd.ERT_CMD_STATE_TIMEOUT else CommandError
     return cls(err, message, kernel=kernel, state=name, seq=seq, index=index, health=health)
 
@@ -563,9 +601,9 @@ class RunList:
             if run._claimed_by is self:
                 run._claimed_by = None
 
-    def wait(self, timeout: float | None = None) -> list[int]:
+    def wait(self, timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
         """Wait once for the last chain submitted, then check every submitted chain; returns the
-        per-run states.
+        per-run states. ``timeout`` as ``Run.wait`` (default 10 s, ``FOREVER`` for no bound).
 
         Raises:
             CommandError: a chain failed; ``index`` is the failing run's position in this list
@@ -625,7 +663,7 @@ class RunList:
         index = chain.first + error_index
         # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).
         return _command_error(run.kernel.name, state, chain.seq, self.ctx.handle, chain.view, index=index,
-                              health_packet=chain.runs[0]._view)
+                              health_packet=chain.runs[0]._view, emulated=self.ctx.device.emulator is not None)
 
     def _check_open(self, what: str) -> None:
         # The chain packets and the runs' packets are written and read through their mappings.
@@ -636,7 +674,7 @@ class RunList:
             run.check_open(what)
             run.check_buffers(what)
 
-    def __call__(self, timeout: float | None = None) -> list[int]:
+    def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
         _check_timeout(timeout)
         return self.start().wait(timeout)

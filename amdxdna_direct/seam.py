@@ -14,7 +14,20 @@ from typing import Protocol, runtime_checkable
 
 from . import abi
 
-__all__ = ["Seam", "OsSeam"]
+__all__ = ["Seam", "OsSeam", "dmabuf_size"]
+
+
+def dmabuf_size(fd: int) -> int:
+    """The size in bytes of the dma-buf ``fd`` (it answers lseek to its end with its size; docs/runtime.md 3.3),
+    its offset put back to 0.
+
+    Raises:
+        OSError: ``fd`` is not open (EBADF) or cannot seek (ESPIPE: not a dma-buf).
+    """
+    size = os.lseek(fd, 0, os.SEEK_END)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return size
+
 
 @runtime_checkable
 class Seam(Protocol):

@@ -320,6 +320,10 @@ class Raw:
         handles, points = UserMem(struct.pack("<I", syncobj)), UserMem(struct.pack("<Q", point))
         call(self.seam, "SYNCOBJ_TIMELINE_SIGNAL", handles.addr, points.addr, 1, 0)
 
+    def sync(self, handle: int, size: int, offset: int = 0) -> None:
+        """SYNC_BO of [offset, offset+size), direction TO_DEVICE (the runtime's choice for both ways)."""
+        call(self.seam, "SYNC_BO", handle, 0, offset, size)
+
     def get_info(self, param: int, size: int, prefill: bytes = b"") -> tuple[bytes, int]:
         """GET_INFO into a `size`-byte buffer (optionally pre-filled); returns (buffer bytes, buffer_size out)."""
         mem = UserMem(size)
@@ -358,10 +362,11 @@ def regmap(instr: int, ninstr: int, slots: list[int], nslots: int = 0) -> list[i
     return words
 
 
-def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_plus: int = 0) -> bytes:
+def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_plus: int = 0,
+               extra: list[list[int]] = ()) -> bytes:
     """A TXN stream (xrt-npu-sequence.md 2.3): per (arg_idx, nbytes) a shim BD, its DDR_PATCH from arg_idx and
-    a queue push; then a sync."""
-    ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24]]
+    a queue push; then a sync. `extra` ops (lists of words) go right after the first WRITE32."""
+    ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24], *extra]
     for bd, (arg_idx, nbytes) in enumerate(buffers):
         base = 0x1D000 + 0x20 * bd
         ops.append([0x01, 0, base, 48, nbytes // 4, 0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000])
@@ -376,3 +381,80 @@ def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_p
 def state_of(addr: int) -> int:
     """The state nibble of the ERT header at a process address (a mapped command BO)."""
     return struct.unpack("<I", read_addr(addr, 4))[0] & 0xF
+
+
+class Npu:
+    """One emulated device, one fd with its heap, and helpers for the XRT-shaped sequence."""
+
+    def __init__(self, profile: str = "npu4", tdr: float | None = 2.0, **options):
+        if tdr is not None:
+            options["tdr_timeout"] = tdr
+        self.dev = EmuDevice(profile, **options)
+        self.seam = self.dev.open()
+        self.raw = Raw(self.seam)
+        self.heap, self.heap_va = self.raw.heap()
+        self.gen = 3 if profile == "npu1" else 4
+
+    def context(self, cus: int = 1, pdi: bytes = b"\xdd" * 256, num_tiles: int = 4) -> tuple[int, int]:
+        ctx, syncobj = self.raw.create_hwctx(num_tiles=num_tiles)
+        handles = []
+        for _ in range(cus):
+            handle, info = self.raw.dev_bo(len(pdi))
+            write_addr(info.vaddr, pdi)
+            self.raw.sync(handle, len(pdi))
+            handles.append(handle)
+        self.raw.config_cu(ctx, [(h, 0) for h in handles])
+        return ctx, syncobj
+
+    def instr(self, stream: bytes) -> tuple[int, int]:
+        """Instruction stream in a DEV BO: (handle, device address)."""
+        handle, info = self.raw.dev_bo(len(stream))
+        write_addr(info.vaddr, stream)
+        self.raw.sync(handle, len(stream))
+        return handle, info.xdna_addr
+
+    def data(self, nbytes: int, content: bytes = b"") -> tuple[int, int]:
+        """A mapped SHMEM BO: (handle, address = the device address under SVA)."""
+        size = max(4096, (nbytes + 4095) // 4096 * 4096)
+        handle, addr = self.raw.shmem(size)
+        write_addr(addr, content)
+        self.raw.sync(handle, size)
+        return handle, addr
+
+    def cmd(self, content: bytes, size: int = 4096) -> tuple[int, int]:
+        handle, addr = self.raw.shmem(size, BO_CMD)
+        write_addr(addr, content)
+        return handle, addr
+
+    def passthrough(self, nbytes: int = 64, tag: int = 0, model=None) -> dict:
+        """A bound passthrough stream with input/output buffers and a ready ERT_START_CU packet."""
+        stream = txn_stream(self.gen, [(0, nbytes), (1, nbytes)], tag=tag)
+        self.dev.models.bind(stream, model or Passthrough())
+        ins, iaddr = self.instr(stream)
+        src = bytes((tag + i) % 251 + 1 for i in range(nbytes))
+        a, a_addr = self.data(nbytes, src)
+        b, b_addr = self.data(nbytes)
+        words = regmap(iaddr, len(stream) // 4, [a_addr, b_addr], nslots=5)
+        cmd, cmd_addr = self.cmd(packet(ERT_START_CU, words))
+        return dict(stream=stream, src=src, out=b_addr, out_bo=b, cmd=cmd, cmd_addr=cmd_addr, args=[ins, a, b],
+                    words=words, nbytes=nbytes)
+
+    def output(self, job: dict, length: int | None = None) -> bytes:
+        """The passthrough job's output as the CPU reads it after syncing the output BO."""
+        length = job["nbytes"] if length is None else length
+        self.raw.sync(job["out_bo"], length)
+        return read_addr(job["out"], length)
+
+    def exec(self, ctx: int, job: dict) -> int:
+        return self.raw.exec_cmd(ctx, job["cmd"], job["args"])
+
+    def close(self) -> None:
+        self.seam.close()
+        check_released(self.dev)
+        self.dev.close()
+
+
+def run_one(npu: Npu, ctx: int, syncobj: int, job: dict) -> int:
+    seq = npu.exec(ctx, job)
+    npu.raw.timeline_wait(syncobj, seq)
+    return state_of(job["cmd_addr"])

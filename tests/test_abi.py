@@ -777,6 +777,29 @@ def test_gcc_comparison_catches_a_layout_cffi_gets_wrong(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # abi module API
 
+def test_prime_set_state_and_hwctx_entry_layouts_by_hand():
+    """What Bo.export / Device.import_bo, set_power_mode and hw_contexts send, typed in from spec/amdxdna-uapi.md
+    5 (PRIME rows: drm_prime_handle (12) {u32 handle; u32 flags; s32 fd}, DRM_CLOEXEC 0x80000, DRM_RDWR 2),
+    1a (SET_STATE 0xC0106448, GET_ARRAY 0xC018644A), 2.4-2.5 (set_state, set_power_mode, hwctx_entry)."""
+    ffi = abi.ffi
+    assert (abi.DRM_IOCTL_PRIME_HANDLE_TO_FD, abi.DRM_IOCTL_PRIME_FD_TO_HANDLE) == (0xC00C642D, 0xC00C642E)
+    assert ffi.sizeof("struct drm_prime_handle") == 12
+    assert [ffi.offsetof("struct drm_prime_handle", f) for f in ("handle", "flags", "fd")] == [0, 4, 8]
+    assert ffi.typeof("struct drm_prime_handle").fields[2][1].type.cname == "int32_t"     # fd is signed
+    assert (abi.DRM_RDWR, abi.DRM_CLOEXEC) == (2, 0x80000)
+    assert (abi.DRM_IOCTL_AMDXDNA_SET_STATE, abi.DRM_IOCTL_AMDXDNA_GET_ARRAY) == (0xC0106448, 0xC018644A)
+    assert [ffi.offsetof("struct amdxdna_drm_set_state", f) for f in ("param", "buffer_size", "buffer")] == [0, 4, 8]
+    assert ffi.sizeof("struct amdxdna_drm_set_power_mode") == 8 and abi.DRM_AMDXDNA_SET_POWER_MODE == 0
+    assert ffi.offsetof("struct amdxdna_drm_set_power_mode", "pad") == 1
+    assert (abi.POWER_MODE_DEFAULT, abi.POWER_MODE_HIGH, abi.POWER_MODE_TURBO) == (0, 3, 4)
+    assert ffi.sizeof("struct amdxdna_drm_hwctx_entry") == 160                      # staging / out-of-tree size
+    assert [ffi.offsetof("struct amdxdna_drm_hwctx_entry", f) for f in
+            ("pid", "priority", "state", "txn_op_idx", "fatal_error_app_module", "pad", "name")] == \
+        [16, 64, 88, 116, 136, 140, 144]                                             # mainline entries end at 144
+    assert (abi.AMDXDNA_HWCTX_STATE_IDLE, abi.AMDXDNA_HWCTX_STATE_ACTIVE) == (0, 1)
+    assert abi.AMDXDNA_MAX_NUM_ELEMENT == 1024
+
+
 def test_ioc_layout_and_encoding():
     assert (abi._IOC_NRSHIFT, abi._IOC_TYPESHIFT, abi._IOC_SIZESHIFT, abi._IOC_DIRSHIFT) == (0, 8, 16, 30)
     assert (abi._IOC_NONE, abi._IOC_WRITE, abi._IOC_READ) == (0, 1, 2)

@@ -79,10 +79,12 @@ ARG_KEYS = {"name", "index", "offset", "size", "kind"}
 PARTITION_KEYS = {"column_width", "start_columns", "ops_per_cycle", "pdis"}
 PDI_KEYS = {"uuid", "size", "sha256", "cdo_groups"}
 CDO_GROUP_KEYS = {"name", "type", "pdi_id", "dpu_kernel_ids", "pre_cdo_groups"}
-INSTS_KEYS = {"format", "major", "minor", "dev_gen", "rows", "cols", "mem_tile_rows", "num_ops", "size_bytes", "ops"}
+INSTS_KEYS = {"format", "major", "minor", "dev_gen", "rows", "cols", "mem_tile_rows", "num_ops", "size_bytes", "pad",
+              "ops"}
 OP_KEYS = {"write32": {"op", "addr", "value"}, "blockwrite": {"op", "addr", "words"},
            "maskwrite": {"op", "addr", "value", "mask"}, "ddr_patch": {"op", "reg_addr", "arg_idx", "arg_plus"},
-           "sync": {"op", "direction", "row", "col", "channel", "row_num", "col_num"}}
+           "sync": {"op", "direction", "row", "col", "channel", "row_num", "col_num"},
+           "raw": {"op", "opcode", "name", "words", "size_bytes", "reason", "sized"}}
 HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
@@ -154,7 +156,7 @@ NPU1_OPS_JSON = [
 def test_insts_json_document(capsys):
     doc = run_json(capsys, "insts", str(fixture(f"{NPU1}/insts.bin")))
     assert doc == {"format": "txn", "major": 0, "minor": 1, "dev_gen": 3, "rows": 6, "cols": 1, "mem_tile_rows": 1,
-                   "num_ops": 9, "size_bytes": 328, "ops": NPU1_OPS_JSON}
+                   "num_ops": 9, "size_bytes": 328, "pad": 0, "ops": NPU1_OPS_JSON}
 
 
 def test_insts_txt_file_gives_the_same_document(capsys, tmp_path):
@@ -175,6 +177,46 @@ def test_insts_text_listing_has_word_offsets(capsys):
                                 "02000000"]
 
 
+# A generated 0.1 stream (words laid out by hand from aie-rt's structs, docs/runtime.md 1.1): WRITE32, MASKPOLL
+# (28 bytes, size in word 6), RECORD_TIMER and MERGE_SYNC (custom ops, size in word 1), then an op of unknown
+# length (0x20) that takes the rest.
+RAW_STREAM = [0x06040100, 0x101, 5, 4 * 25,
+              0, 0, 0x1D204, 0, 5, 24,
+              0x04, 0, 0x1D204, 0, 0x1, 0xF, 28,
+              0x83, 12, 7,
+              0x84, 12, 0x00010002,
+              0x20, 1]
+# A WRITE32 whose op header carries col/row bytes: kept raw, the listing says why.
+ODD_WRITE = [0x06040100, 0x101, 1, 40, 0x00020100, 0, 0x1D204, 0, 5, 24]
+
+
+def test_insts_says_why_a_known_op_is_kept_raw(capsys, tmp_path):
+    path = tmp_path / "odd.bin"
+    path.write_bytes(struct.pack(f"<{len(ODD_WRITE)}I", *ODD_WRITE))
+    assert main(["insts", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == \
+        "     4  RAW WRITE32  opcode 0x00  24 bytes  kept raw: op header 0x00020100 has non-zero col/row/padding bytes"
+
+
+def test_insts_shows_raw_ops_with_their_words_and_size(capsys, tmp_path):
+    path = tmp_path / "raw.bin"
+    path.write_bytes(struct.pack(f"<{len(RAW_STREAM)}I", *RAW_STREAM))
+    doc = run_json(capsys, "insts", str(path))
+    assert set(doc) == INSTS_KEYS and doc["num_ops"] == 5 and doc["size_bytes"] == 100
+    assert all(set(op) == OP_KEYS[op["op"]] for op in doc["ops"])
+    raw = [(op["name"], op["opcode"], op["size_bytes"], op["words"], op["sized"]) for op in doc["ops"][1:]]
+    assert raw == [("MASKPOLL", 0x04, 28, RAW_STREAM[10:17], True), ("RECORD_TIMER", 0x83, 12, RAW_STREAM[17:20], True),
+                   ("MERGE_SYNC", 0x84, 12, RAW_STREAM[20:23], True), ("OP_0x20", 0x20, 8, [0x20, 1], False)]
+    assert main(["insts", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "TXN 0.1  dev_gen 4  rows 6  cols 1  mem_tile_rows 1  ops 5  size 100 bytes"
+    assert lines[3] == "    10  RAW MASKPOLL opcode 0x04  28 bytes"
+    assert lines[4].split() == ["00000004", "00000000", "0001d204", "00000000", "00000001", "0000000f", "0000001c"]
+    assert lines[5] == "    17  RAW RECORD_TIMER opcode 0x83  12 bytes"
+    assert lines[-2] == "    23  RAW OP_0x20  opcode 0x20  8 bytes to the end (length unknown, op count not checked)"
+    assert lines[-1].split() == ["00000020", "00000001"]
+
+
 # --------------------------------------------------------------------------------------------- exit codes
 
 
@@ -188,9 +230,10 @@ def test_missing_file_exits_1_with_errno_name(capsys, command, tmp_path):
 
 def test_format_errors_exit_1_with_the_parser_message(capsys, tmp_path):
     bad = tmp_path / "bad.bin"
-    bad.write_bytes(struct.pack("<5I", 0x06030100, 0x101, 1, 20, 0x05))
+    bad.write_bytes(struct.pack("<5I", 0x06030100, 0x101, 1, 24, 0x05))
     assert main(["insts", str(bad)]) == 1
-    assert capsys.readouterr().err.strip() == f"amdxdna insts: {bad}: word 4: unknown opcode 0x05"
+    assert capsys.readouterr().err.strip() == \
+        f"amdxdna insts: {bad}: word 3: header size_bytes 24 disagrees with the stream length 20"
     assert main(["xclbin", str(bad)]) == 1
     assert "axlf header: struct axlf at offset 0 size 304 lies outside the 20 bytes" in capsys.readouterr().err
 

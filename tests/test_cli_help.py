@@ -22,9 +22,12 @@ from amdxdna_direct.cli import build_parser, main
 no_system_files = test_cli_isolation.no_system_files
 pytestmark = pytest.mark.usefixtures("no_system_files")
 
-DEVICE_COMMANDS = ("info", "doctor", "run", "trace")
+DEVICE_COMMANDS = ("info", "top", "doctor", "validate", "configure", "run", "trace")
+OPTION_DOCUMENTED = ("info", "top", "doctor", "validate", "configure")  # docs/cli.md lists these options one by one
+README_COMMANDS = ("info", "doctor", "run", "trace", "xclbin", "insts")  # the README's table (docs/cli.md: all)
 FILE_COMMANDS = ("xclbin", "insts")
 README = Path(__file__).resolve().parents[1] / "README.md"
+CLI_DOC = Path(__file__).resolve().parents[1] / "docs/cli.md"
 NPU1_1COL = Path(__file__).resolve().parents[2] / "shared/fixtures/xdna/mlir-aie-npu1_1col"
 needs_fixture = pytest.mark.skipif(not (NPU1_1COL / "aie.xclbin").exists(), reason=f"fixtures absent: {NPU1_1COL}")
 
@@ -52,13 +55,26 @@ def test_help_lists_every_option_with_meaning_and_default(name, capsys):
 
 
 @pytest.mark.parametrize("name", DEVICE_COMMANDS + FILE_COMMANDS)
-def test_listed_in_the_top_level_help_and_the_readme(name, capsys):
+def test_listed_in_the_top_level_help_and_documented(name, capsys):
     assert main(["--help"]) == 0
     assert re.search(rf"^    {name} +\S", capsys.readouterr().out, re.MULTILINE)  # with its one-line summary
-    readme = README.read_text()
-    section = readme[readme.index("## The command line"):]
-    section = section[:section.index("\n## ")]
-    assert f"`amdxdna {name}" in section
+    # Device commands have a section of docs/cli.md; the file commands are named in its introduction.
+    assert (f"`amdxdna {name}`" if name in FILE_COMMANDS else f"### `amdxdna {name}") in CLI_DOC.read_text()
+    if name in README_COMMANDS:
+        readme = README.read_text()
+        section = readme[readme.index("## The command line"):]
+        section = section[:section.index("\n## ")]
+        assert f"`amdxdna {name}" in section
+
+
+def test_every_option_of_every_command_is_in_the_cli_doc():
+    doc = CLI_DOC.read_text()
+    for name in OPTION_DOCUMENTED:
+        section = doc[doc.index(f"### `amdxdna {name}`"):]
+        section = section[:section.find("\n### ", 1) if "\n### " in section[1:] else len(section)]
+        options = [a for a in subparser(name)._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+        missing = [a.option_strings[-1] for a in options if f"`{a.option_strings[-1]}" not in section]
+        assert missing == [], f"docs/cli.md `amdxdna {name}` lacks {missing}"
 
 
 @pytest.mark.parametrize("name", FILE_COMMANDS + ("run",))

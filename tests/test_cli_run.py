@@ -83,6 +83,26 @@ def test_gemm_model_equals_numpy(tmp_path, capsys):
     np.testing.assert_array_equal(c.reshape(m, n).astype(np.float32), expected.astype(np.float32))
 
 
+def test_a_stream_with_ops_the_runtime_does_not_decode_runs(tmp_path, capsys):
+    # MASKPOLL (28 bytes, size in word 6) and RECORD_TIMER (custom op, size in word 1) inserted by hand before the
+    # final SYNC: `run` uploads the stream as given (docs/runtime.md 1) and the copy still happens.
+    data = np.arange(64, dtype=np.uint8)
+    np.save(tmp_path / "in.npy", data)
+    (tmp_path / "copy.xclbin").write_bytes(write(build_mlir_aie(b"copy", column_width=1, n_buffers=2)))
+    stream = insts.dma_stream(4, [(0, 64, "in"), (1, 64, "out")])
+    words = insts.encode_words(stream)
+    sync_at = insts.layout(stream)[-1]
+    extra = [0x04, 0, 0x1D204, 0, 0, 0, 28, 0x83, 12, 1]
+    body = words[4:sync_at] + extra + words[sync_at:]
+    raw = np.array([words[0], words[1], words[2] + 2, 4 * (4 + len(body))] + body, "<u4").tobytes()
+    (tmp_path / "copy.bin").write_bytes(raw)
+    rc = main(["run", "--device", "emu:npu4", "--model", "passthrough", "--xclbin", str(tmp_path / "copy.xclbin"),
+               "--insts", str(tmp_path / "copy.bin"), "--in", str(tmp_path / "in.npy"), "--out",
+               str(tmp_path / "out.npy"), "--out-size", "64"])
+    assert rc == 0, capsys.readouterr().err
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), data)
+
+
 @needs_fixture
 def test_command_error_exits_1(tmp_path, capsys):
     np.save(tmp_path / "in.npy", np.zeros(16, np.int32))

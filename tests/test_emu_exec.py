@@ -33,7 +33,7 @@ from emu_raw import (
     ERT_STATE_NEW,
     ERT_STATE_TIMEOUT,
     Gate,
-    Raw,
+    Npu,
     UserMem,
     call,
     chain_packet,
@@ -42,6 +42,7 @@ from emu_raw import (
     packet,
     read_addr,
     regmap,
+    run_one,
     state_of,
     txn_stream,
     write_addr,
@@ -93,7 +94,8 @@ def test_txn_walk_npu2_fixture_and_generation_check():
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda w: w.__setitem__(4, 0x07), "unknown TXN opcode 0x7"),
+    (lambda w: w.__setitem__(4, 0x7F), "unknown TXN opcode 0x7f"),
+    (lambda w: w.__setitem__(4, 0x07), "opcode 0x7 declares 1 bytes"),     # MASKPOLL_BUSY: 7 words, size in the 7th
     (lambda w: w.__setitem__(9, 28), "declares 28 bytes"),
     (lambda w: w.__setitem__(2, 99), "ends after"),
     (lambda w: w.__setitem__(3, 400), "does not fit"),
@@ -291,67 +293,6 @@ def test_registry_binding_rules():
 ERT_START_DPU = 18
 
 
-class Npu:
-    """One emulated device, one fd with its heap, and helpers for the XRT-shaped sequence."""
-
-    def __init__(self, profile: str = "npu4", tdr: float | None = 2.0, **options):
-        if tdr is not None:
-            options["tdr_timeout"] = tdr
-        self.dev = EmuDevice(profile, **options)
-        self.seam = self.dev.open()
-        self.raw = Raw(self.seam)
-        self.heap, self.heap_va = self.raw.heap()
-        self.gen = 3 if profile == "npu1" else 4
-
-    def context(self, cus: int = 1, pdi: bytes = b"\xdd" * 256, num_tiles: int = 4) -> tuple[int, int]:
-        ctx, syncobj = self.raw.create_hwctx(num_tiles=num_tiles)
-        handles = []
-        for _ in range(cus):
-            handle, info = self.raw.dev_bo(len(pdi))
-            write_addr(info.vaddr, pdi)
-            handles.append(handle)
-        self.raw.config_cu(ctx, [(h, 0) for h in handles])
-        return ctx, syncobj
-
-    def instr(self, stream: bytes) -> tuple[int, int]:
-        """Instruction stream in a DEV BO: (handle, device address)."""
-        handle, info = self.raw.dev_bo(len(stream))
-        write_addr(info.vaddr, stream)
-        return handle, info.xdna_addr
-
-    def data(self, nbytes: int, content: bytes = b"") -> tuple[int, int]:
-        """A mapped SHMEM BO: (handle, address = the device address under SVA)."""
-        handle, addr = self.raw.shmem(max(4096, (nbytes + 4095) // 4096 * 4096))
-        write_addr(addr, content)
-        return handle, addr
-
-    def cmd(self, content: bytes, size: int = 4096) -> tuple[int, int]:
-        handle, addr = self.raw.shmem(size, BO_CMD)
-        write_addr(addr, content)
-        return handle, addr
-
-    def passthrough(self, nbytes: int = 64, tag: int = 0, model=None) -> dict:
-        """A bound passthrough stream with input/output buffers and a ready ERT_START_CU packet."""
-        stream = txn_stream(self.gen, [(0, nbytes), (1, nbytes)], tag=tag)
-        self.dev.models.bind(stream, model or Passthrough())
-        ins, iaddr = self.instr(stream)
-        src = bytes((tag + i) % 251 + 1 for i in range(nbytes))
-        a, a_addr = self.data(nbytes, src)
-        b, b_addr = self.data(nbytes)
-        words = regmap(iaddr, len(stream) // 4, [a_addr, b_addr], nslots=5)
-        cmd, cmd_addr = self.cmd(packet(ERT_START_CU, words))
-        return dict(stream=stream, src=src, out=b_addr, cmd=cmd, cmd_addr=cmd_addr, args=[ins, a, b], words=words,
-                    nbytes=nbytes)
-
-    def exec(self, ctx: int, job: dict) -> int:
-        return self.raw.exec_cmd(ctx, job["cmd"], job["args"])
-
-    def close(self) -> None:
-        self.seam.close()
-        check_released(self.dev)
-        self.dev.close()
-
-
 def words_at(addr: int, count: int, offset: int = 0) -> tuple[int, ...]:
     return struct.unpack(f"<{count}I", read_addr(addr + offset, 4 * count))
 
@@ -367,12 +308,6 @@ def npus():
     yield make
     for npu in made:
         npu.close()
-
-
-def run_one(npu: Npu, ctx: int, syncobj: int, job: dict) -> int:
-    seq = npu.exec(ctx, job)
-    npu.raw.timeline_wait(syncobj, seq)
-    return state_of(job["cmd_addr"])
 
 
 def xclbin_pdi(data: bytes) -> bytes:
@@ -399,6 +334,7 @@ def test_xrt_sequence_npu1_passthrough_fixture(npus, caplog):
     ctx, syncobj = raw.create_hwctx(num_tiles=1 * core_rows)
     pdi_bo, pdi_info = raw.dev_bo(len(pdi))
     write_addr(pdi_info.vaddr, pdi)
+    raw.sync(pdi_bo, len(pdi))
     raw.config_cu(ctx, [(pdi_bo, 0)])
     npu.dev.models.bind(insts, Passthrough())
     ins_bo, ins_info = raw.dev_bo(len(insts))
@@ -408,6 +344,7 @@ def test_xrt_sequence_npu1_passthrough_fixture(npus, caplog):
     bo_in, in_addr = raw.shmem(4096)
     bo_out, out_addr = raw.shmem(4096)
     write_addr(in_addr, src)
+    raw.sync(bo_in, 4096)                                                 # xrt::bo::sync(TO_DEVICE)
     exec_bo, exec_addr = raw.shmem(4096, BO_CMD)
     # Header 0x30010001 as XRT writes it (state NEW, count 16, ERT_START_CU, type 3), CU mask 1, 15-word regmap.
     words = [0x30010001, 1, *regmap(ins_info.xdna_addr, len(insts) // 4, [in_addr, 0, out_addr], nslots=5)]
@@ -417,6 +354,7 @@ def test_xrt_sequence_npu1_passthrough_fixture(npus, caplog):
     assert seq == 0
     raw.timeline_wait(syncobj, seq)
     assert words_at(exec_addr, 1)[0] == 0x30010004                         # COMPLETED, the rest of the header kept
+    raw.sync(bo_out, 4096)                                                # xrt::bo::sync(FROM_DEVICE)
     assert read_addr(out_addr, 64) == src[:64]                              # BD1 writes 0x10 words
     assert read_addr(out_addr + 64, 64) == bytes(64)
     for handle, addr in ((bo_in, in_addr), (bo_out, out_addr), (exec_bo, exec_addr)):
@@ -527,7 +465,7 @@ def test_rule_E6(npus):
     npu.raw.timeline_wait(syncobj, 4)
     for job in jobs:
         assert state_of(job["cmd_addr"]) == ERT_STATE_COMPLETED
-        assert read_addr(job["out"], job["nbytes"]) == job["src"]
+        assert npu.output(job) == job["src"]
 
 
 def test_rule_E7(npus):
@@ -552,14 +490,14 @@ def test_exec_cmd_returns_before_the_job_ends(npus):
     job = npu.passthrough(tag=2, model=gate)
     assert npu.exec(ctx, job) == 1
     assert gate.entered.wait(2)
-    assert state_of(job["cmd_addr"]) == ERT_STATE_NEW and read_addr(job["out"], 64) == bytes(64)
+    assert state_of(job["cmd_addr"]) == ERT_STATE_NEW and npu.output(job, 64) == bytes(64)
     assert (npu.raw.query(syncobj), npu.raw.query(syncobj, flags=1)) == (0, 1)     # signalled 0, submitted 1
     with pytest.raises(OSError) as err:
         npu.raw.timeline_wait(syncobj, 1, timeout_s=0.05)
     assert err.value.errno == errno.ETIME
     gate.release.set()
     npu.raw.timeline_wait(syncobj, 1)
-    assert state_of(job["cmd_addr"]) == ERT_STATE_COMPLETED and read_addr(job["out"], 64) == job["src"]
+    assert state_of(job["cmd_addr"]) == ERT_STATE_COMPLETED and npu.output(job, 64) == job["src"]
     assert npu.raw.query(syncobj) == 1
 
 
@@ -579,7 +517,7 @@ def test_concurrent_submitters_on_shared_contexts(npus):
                 seq = npu.exec(ctx, job)
                 seqs[index % 2].append(seq)
                 npu.raw.timeline_wait(syncobj, seq)
-                if state_of(job["cmd_addr"]) != ERT_STATE_COMPLETED or read_addr(job["out"], 64) != job["src"]:
+                if state_of(job["cmd_addr"]) != ERT_STATE_COMPLETED or npu.output(job, 64) != job["src"]:
                     failures.append((index, seq))
         except OSError as exc:
             failures.append((index, exc))
@@ -606,11 +544,11 @@ def test_rule_E8(npus):
         seq = npu.exec(ctx, job)
         npu.raw.timeline_wait(syncobj, seq)                       # the fence still signals
         assert read_addr(job["cmd_addr"], len(content)) == bytes([content[0] & 0xF0 | ERT_STATE_NEW]) + content[1:]
-        assert read_addr(job["out"], 64) == bytes(64)
+        assert npu.output(job, 64) == bytes(64)
     # Two mask words (extra_cu_masks 1): the first is empty, CU 0 is bit 0 of the second; type bits ignored.
     write_addr(job["cmd_addr"], packet(ERT_START_CU, job["words"], masks=(0, 1), type_bits=3))
     assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
-    assert read_addr(job["out"], 64) == job["src"]
+    assert npu.output(job, 64) == job["src"]
 
 
 def test_rule_E9(npus):
@@ -635,7 +573,7 @@ def test_rule_E10(npus):
     # Instruction address and size in bytes from the preamble; one property; the regmap carries the buffers.
     write_addr(job["cmd_addr"], packet(ERT_START_NPU, npu_words(instr, nbytes, [0], job["words"])))
     assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
-    assert read_addr(job["out"], 64) == job["src"]
+    assert npu.output(job, 64) == job["src"]
     too_long = npu_words(instr, nbytes, [0] * 12, job["words"])   # 12 + 15 = 27 words > 26
     write_addr(job["cmd_addr"], packet(ERT_START_NPU, too_long))
     assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW
@@ -685,7 +623,7 @@ def test_chain_runs_every_sub_command(npus, n):
     npu.raw.timeline_wait(syncobj, seq)
     assert state_of(chain_addr) == ERT_STATE_COMPLETED
     for sub in subs:
-        assert read_addr(sub["out"], 64) == sub["src"]
+        assert npu.output(sub, 64) == sub["src"]
 
 
 @pytest.mark.parametrize("opcode, fits", [(ERT_START_CU, 146), (ERT_START_NPU, 56)])
@@ -722,7 +660,7 @@ def test_rule_E11(npus):
     assert state_of(chain_addr) == ERT_STATE_ERROR
     assert words_at(chain_addr, 3, 4) == (24, 0, 7)                  # command_count, submit_index, error_index
     assert read_addr(subs[0]["cmd_addr"] + 4, first_len) == b"\xff" * first_len
-    assert [read_addr(s["out"], 64) == s["src"] for s in subs] == [True] * 7 + [False] * 17
+    assert [npu.output(s, 64) == s["src"] for s in subs] == [True] * 7 + [False] * 17
     # A sub-command of another opcode, a handle that is not a CMD BO, an empty chain: rejected, state NEW.
     odd = npu.passthrough(tag=99)
     instr = odd["words"][2] | odd["words"][3] << 32
@@ -803,6 +741,7 @@ def test_ddr_patch_resolves_slot_plus_arg_plus(npus, caplog):
         return state_of(cmd_addr)
 
     assert run(96, [in_addr, out_addr], tag=1) == ERT_STATE_COMPLETED
+    npu.raw.sync(bo_out, 4096)
     assert read_addr(out_addr, 4096) == bytes(96) + src[96:160] + bytes(4096 - 160)
     with caplog.at_level(logging.ERROR, logger="amdxdna_direct.emu"):
         assert run(0, [in_addr], tag=2) == ERT_STATE_ERROR                  # arg 1 has no regmap slot
@@ -831,10 +770,10 @@ def test_tdr_timeout_aborts_the_others_and_the_context_recovers(npus):
         assert state_of(job["cmd_addr"]) == ERT_STATE_ABORT
         assert read_addr(job["cmd_addr"] + 4, 4 * 16) == b"\xff" * 64
     time.sleep(0.1)
-    assert read_addr(hung["out"], 64) == bytes(64)                       # the hung model never wrote
+    assert npu.output(hung, 64) == bytes(64)                       # the hung model never wrote
     again = npu.passthrough(tag=4)
     assert run_one(npu, ctx, syncobj, again) == ERT_STATE_COMPLETED
-    assert read_addr(again["out"], 64) == again["src"]
+    assert npu.output(again, 64) == again["src"]
 
 
 def test_slow_model_that_progresses_is_not_timed_out(npus):
@@ -874,7 +813,7 @@ def test_tdr_timeout_may_be_huge_or_infinite_but_must_be_a_number(npus):
         ctx, syncobj = npu.context()
         job = npu.passthrough()
         assert run_one(npu, ctx, syncobj, job) == ERT_STATE_COMPLETED
-        assert read_addr(job["out"], job["nbytes"]) == job["src"]
+        assert npu.output(job) == job["src"]
     for bad in ("2", None, True):
         with pytest.raises(TypeError, match="tdr_timeout must be a number of seconds"):
             EmuDevice("npu4", tdr_timeout=bad)
@@ -952,6 +891,7 @@ def test_gemm_through_the_device(npus):
     seq = npu.raw.exec_cmd(ctx, cmd, [ins, bo_a, bo_b, bo_c])
     npu.raw.timeline_wait(syncobj, seq)
     assert state_of(cmd_addr) == ERT_STATE_COMPLETED
+    npu.raw.sync(bo_c, m * n * 2)
     got = np.frombuffer(read_addr(c_addr, m * n * 2), dtype=BF16).astype(np.float64).reshape(m, n)
     close(got, a.astype(np.float64) @ b.astype(np.float64))
 

@@ -226,6 +226,7 @@ def test_runtime_runs_instructions_from_a_grown_chunk(npu1_fixture):
         a.sync()
         run = ctx.kernel().prepare_npu(stream, [a, b, c])   # the instruction BO: EAGAIN, grow, chunk 1
         assert run.start().wait(timeout=30) == cmd.ERT_CMD_STATE_COMPLETED
+        c.sync()
         assert np.array_equal(c.array(np.uint32)[:16], src[:16])     # the fixture copies 16 words
         assert len(dev.heap) == 2 and not filler.closed
         in_chunk1 = [bo for off, bo in emu.clients[0].memory.dev_bos.items() if off >= CHUNK]

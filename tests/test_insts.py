@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -162,29 +163,137 @@ NPU1_HEAD = [0x06030100, 0x101, 1, 40]
 @pytest.mark.parametrize(("words", "message"), [
     ([0x06030100, 0x101], r"word 2: stream truncated in the 4-word TXN header"),
     ([0x06030002, 0x101, 0, 16], r"word 0: TXN version 2\.0 unknown"),
-    ([0x06030100, 0x10101, 0, 16], r"word 1: TXN header padding 0x0001 not zero"),
     ([0x06030100, 0x101, 0, 20, 0], r"word 4: 1 words left after the 0 ops of the header"),
     ([0x06030100, 0x101, 0, 99], r"word 3: header size_bytes 99 disagrees with the stream length 16"),
     ([0x06030100, 0x101, 2, 40, 0, 0, 0x1D204, 0, 5, 24], r"word 10: stream ends after 1 ops, header num_ops says 2"),
     ([0x06030100, 0x101, 1, 44, 0, 0, 0x1D204, 0, 5, 24, 7], r"word 10: 1 words left after the 1 ops"),
-    ([0x06030100, 0x101, 1, 20, 0x05], r"word 4: unknown opcode 0x05"),
-    ([0x06030100, 0x101, 1, 40, 0, 0, 0x1D204, 0, 5, 20], r"word 9: WRITE32 size field 20 bytes, expected 24"),
-    ([0x06030100, 0x101, 1, 40, 0, 9, 0x1D204, 0, 5, 24], r"word 5: WRITE32 reserved word 1 is 0x00000009"),
-    ([0x06030100, 0x101, 1, 28, 0, 0, 0x1D204], r"word 4: WRITE32 needs 6 words, only 3 left"),
-    ([0x06030100, 0x101, 1, 20, 0x100], r"word 4: op header 0x00000100 has non-zero col/row/padding"),
+    ([0x06030100, 0x101, 1, 40, 0, 0, 0x1D204, 0, 5, 20], r"word 9: WRITE32 size 20 bytes is not a multiple of 4"),
+    ([0x06030100, 0x101, 1, 28, 0, 0, 0x1D204], r"word 4: WRITE32 is truncated before its size word 5"),
     ([0x06030100, 0x101, 1, 32, 1, 0, 0x1D000, 18], r"word 7: BLOCKWRITE size 18 bytes is not a multiple of 4"),
     ([0x06030100, 0x101, 1, 32, 1, 0, 0x1D000, 12], r"word 7: BLOCKWRITE size 12 bytes is not a multiple of 4 >= 16"),
-    ([0x06030100, 0x101, 1, 36, 1, 0, 0x1D000, 40, 1], r"word 8: BLOCKWRITE data needs 6 words, only 1 left"),
-    ([0x06030100, 0x101, 1, 32, 0x80, 12, 0, 0x10100], r"word 5: SYNC size field 12 bytes, expected 16"),
+    ([0x06030100, 0x101, 1, 36, 1, 0, 0x1D000, 40, 1],
+     r"word 7: BLOCKWRITE of 40 bytes runs past the end of the stream \(20 bytes left\)"),
+    ([0x06030100, 0x101, 1, 20, 0x04], r"word 4: MASKPOLL is truncated before its size word 6"),
+    ([0x06030100, 0x101, 1, 24, 0x83, 4], r"word 5: RECORD_TIMER size 4 bytes is not a multiple of 4 >= 8"),
+    ([0x06030100, 0x101, 1, 24, 0x90, 0], r"word 5: custom op 0x90 size 0 bytes"),
+    ([0x06030001, 0x101, 1, 20, 0x01], r"word 4: BLOCKWRITE is truncated before its size word 2"),
+])
+def test_decode_errors_name_the_word(words, message):
+    for strict in (False, True):
+        with pytest.raises(InstsError, match=message):
+            insts.decode(pack(words), strict=strict)
+
+
+# Ops the decoder does not decode: strict refuses them (naming the word), the default keeps them raw.
+@pytest.mark.parametrize(("words", "message"), [
+    ([0x06030100, 0x101, 1, 20, 0x05], r"word 4: opcode 0x05 \(NOOP\) is not decoded"),
+    ([0x06030100, 0x101, 1, 40, 0, 9, 0x1D204, 0, 5, 24], r"word 5: WRITE32 reserved word 1 is 0x00000009"),
+    ([0x06030100, 0x101, 1, 44, 0, 0, 0x1D204, 0, 5, 28, 0], r"word 9: WRITE32 size field 28 bytes, expected 24"),
+    ([0x06030100, 0x101, 1, 40, 0x100, 0, 0x1D204, 0, 5, 24], r"word 4: op header 0x00000100 has non-zero col/row"),
     ([0x06030100, 0x101, 1, 32, 0x80, 16, 0, 0x10101], r"word 6: SYNC reserved bits set"),
     ([0x06030100, 0x101, 1, 64] + [0x81, 48, 0, 0, 1, 0, 0x1D004, 0, 0, 0, 0, 0],
      r"word 8: DDR_PATCH reserved word 4 is 0x00000001"),
     ([0x06030001, 0x101, 1, 40] + [0x81, 24, 0x1D004, 0x100, 0, 0],
      r"word 7: DDR_PATCH argidx word 0x00000100 has non-zero padding"),
+    ([0x06030001, 0x101, 1, 28] + [0x300, 0x1D204, 5], r"word 4: op header 0x00000300 has non-zero padding"),
 ])
-def test_decode_errors_name_the_word(words, message):
+def test_ops_not_decoded_are_raw_or_refused_when_strict(words, message):
     with pytest.raises(InstsError, match=message):
+        insts.decode(pack(words), strict=True)
+    s = insts.decode(pack(words))
+    (op,) = s.ops
+    assert isinstance(op, insts.RawOp) and re.match(message, op.reason)
+    assert op.words == tuple(words[4:]) and op.opcode == words[4] & 0xFF and op.sized
+    assert insts.encode(s) == pack(words)
+
+
+def test_a_size_word_decides_the_length_of_a_known_op():
+    # A SYNC declaring 12 bytes is walked as 3 words (kept raw: its encoding has 4); the 4th is left over.
+    words = [0x06030100, 0x101, 1, 32, 0x80, 12, 0, 0x10100]
+    with pytest.raises(InstsError, match=r"word 7: 1 words left after the 1 ops"):
         insts.decode(pack(words))
+    with pytest.raises(InstsError, match=r"word 4: SYNC needs 4 words, only 3 left"):
+        insts.decode(pack(words), strict=True)
+
+
+def test_header_pad_is_kept():
+    words = [0x06030100, 0x12340101, 0, 16]
+    s = insts.decode(pack(words))
+    assert (s.pad, s.cols, s.mem_tile_rows) == (0x1234, 1, 1)
+    assert insts.encode(s) == pack(words)
+
+
+# A 0.1 stream with every op the decoder keeps raw, words laid out by hand from aie-rt's structs
+# (docs/runtime.md 1.1): MASKPOLL / MASKPOLL_BUSY 28 bytes with the size in word 6; NOOP and PREEMPT one
+# word; LOADPDI 4 words; LOAD_PM_START 2; custom ops READ_REGS / RECORD_TIMER / MERGE_SYNC and a later one
+# with their size in word 1; BLOCKSET with BLOCKWRITE's header.
+RAW_OPS_01 = [
+    ("MASKPOLL", [0x04, 0, 0x1D204, 0, 0x1, 0xF, 28]),
+    ("NOOP", [0x05]),
+    ("PREEMPT", [0x0106]),
+    ("LOADPDI", [0x00020008, 0x2000, 0x04020000, 0]),
+    ("LOAD_PM_START", [0x00000109, 7]),
+    ("MASKPOLL_BUSY", [0x07, 0, 0x1D20C, 0, 0x0, 0x1, 28]),
+    ("READ_REGS", [0x82, 24, 1, 0, 0x1D204, 0]),
+    ("RECORD_TIMER", [0x83, 12, 5]),
+    ("MERGE_SYNC", [0x84, 12, 0x00010002]),
+    ("CUSTOM_OP_NEXT", [0x85, 8]),
+    ("OP_0x9a", [0x9A, 16, 1, 2]),
+    ("BLOCKSET", [0x02, 0, 0x1D000, 20, 0]),
+]
+
+
+def _stream_with(ops: list[list[int]], version: tuple[int, int] = (0, 1), dev_gen: int = 4) -> list[int]:
+    body = [w for op in ops for w in op]
+    return [0x06000000 | dev_gen << 16 | version[1] << 8 | version[0], 0x101, len(ops), 4 * (4 + len(body))] + body
+
+
+def test_raw_ops_keep_their_words_names_and_sizes():
+    write = [0, 0, 0x1D204, 0, 5, 24]
+    words = _stream_with([write] + [op for _, op in RAW_OPS_01] + [write])
+    s = insts.decode(pack(words))
+    assert s.ops[0] == s.ops[-1] == Write32(addr=0x1D204, value=5)
+    raw = s.ops[1:-1]
+    assert [(op.name, op.words, op.size_bytes) for op in raw] == [(n, tuple(w), 4 * len(w)) for n, w in RAW_OPS_01]
+    assert all("is not decoded" in op.reason for op in raw)
+    starts = insts.layout(s)
+    assert insts.raw_ops(s) == list(zip(starts[1:-1], raw, strict=True))
+    assert starts[2] == 4 + 6 + 7                   # after the WRITE32 and the 7-word MASKPOLL
+    assert insts.encode(s) == pack(words) and s.num_ops == len(RAW_OPS_01) + 2
+    with pytest.raises(InstsError, match=r"word 10: opcode 0x04 \(MASKPOLL\) is not decoded"):
+        insts.decode(pack(words), strict=True)
+
+
+def test_raw_ops_in_the_2024_encoding():
+    ops = [[0x04, 0x1D204, 1, 0xF], [0x05], [0x0C, 0, 0x1D204], [0x83, 12, 5], [0x00, 0x1D204, 5]]
+    s = insts.decode(pack(_stream_with(ops, version=(1, 0))))
+    assert [type(op).__name__ for op in s.ops] == ["RawOp"] * 4 + ["Write32"]
+    assert [op.name for op in s.ops[:4]] == ["MASKPOLL", "NOOP", "UPDATE_REG", "RECORD_TIMER"]
+    assert insts.layout(s) == [4, 8, 9, 12, 15]
+    assert insts.encode(s) == pack(_stream_with(ops, version=(1, 0)))
+
+
+def test_an_op_of_unknown_length_takes_the_rest_and_the_count_is_not_checked():
+    ops = [[0, 0, 0x1D204, 0, 5, 24], [0x20, 1, 2, 3], [0x05], [0x05]]
+    words = _stream_with(ops)
+    s = insts.decode(pack(words))
+    assert s.ops[0] == Write32(addr=0x1D204, value=5)
+    tail = s.ops[1]
+    assert (tail.opcode, tail.sized, tail.words, tail.name) == (0x20, False, (0x20, 1, 2, 3, 5, 5), "OP_0x20")
+    assert "has no length the runtime knows; the op count is not checked" in tail.reason
+    assert (s.unwalked_ops, s.num_ops) == (2, 4)
+    assert insts.encode(s) == pack(words)
+    with pytest.raises(InstsError, match=r"word 10: opcode 0x20 \(0x20\) has no length"):
+        insts.decode(pack(words), strict=True)
+    with pytest.raises(InstsError, match="needs a final RawOp of unknown length"):
+        insts.encode(Stream(0, 1, 4, 6, 1, 1, (s.ops[0],), unwalked_ops=2))
+    with pytest.raises(InstsError, match="op 0 is a RawOp of unknown length; only the last op may be"):
+        insts.encode(Stream(0, 1, 4, 6, 1, 1, (tail, s.ops[0])))
+
+
+def test_raw_op_words_must_start_with_its_opcode():
+    with pytest.raises(InstsError, match=r"op 0 RawOp words must start with its opcode 0x04"):
+        insts.encode(Stream(0, 1, 4, 6, 1, 1, (insts.RawOp(0x04, (0x05,), "made up"),)))
 
 
 def test_decode_rejects_partial_words_and_out_of_range_ints():

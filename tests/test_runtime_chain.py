@@ -64,7 +64,7 @@ def test_chain_packet_contents_and_exec_args(npu1_fixture):
     n = len(seam.calls)
     rl.start().wait(60)
     execs = [EXEC_CMD.unpack_from(call[2]) for call in seam.calls[n:] if call[0] == "ioctl" and call[1] & 0xFF == 0x46]
-    instr = ctx.instructions((npu1_fixture / "insts.bin").read_bytes())[0]
+    instr = ctx.instructions((npu1_fixture / "insts.bin").read_bytes()).bo
     # arg list: every sub-command's BOs once (instructions, A, C: sub-buffers share handles) + sub-commands
     assert [(e[4], e[7]) for e in execs] == [(first.bo.handle, 3 + PER_CHAIN), (rl.chains[1].bo.handle, 3 + 6)]
     assert runs[0].handles == [instr.handle, a.handle, c.handle]

@@ -84,6 +84,37 @@ def test_open_device_rejects_other_types():
         open_device(42)
     with pytest.raises(ValueError, match="unknown emulator profile 'npu9'.*npu1"):
         open_device("emu:npu9")
+    with pytest.raises(ValueError, match=r"unknown emulator variant 'fast' \(only 'coherent': 'emu:npu1:coherent'"):
+        open_device("emu:npu1:fast")
+
+
+def test_coherent_emulator_variant():
+    with open_device("emu:npu1:coherent") as dev, open_device("emu:npu1") as plain:
+        assert dev.emulator.profile.coherent and not plain.emulator.profile.coherent
+        assert dev.name == "emu:npu1" and dev.emulator.profile.name == "npu1"
+
+
+def test_an_unsynced_input_fails_on_the_emulator_and_the_error_says_where_to_look():
+    # The emulator is not cache coherent (docs/emulator.md): an input written after its last sync is a firmware
+    # ERROR, whose reason the emulator logs; the coherent variant runs it.
+    from amdxdna_direct import insts
+    from amdxdna_direct.emu import Passthrough
+    from amdxdna_direct.xclbin import build_mlir_aie
+
+    stream = insts.dma_stream(3, [(0, 64, "in"), (1, 64, "out")])
+    for spec, fails in (("emu:npu1", True), ("emu:npu1:coherent", False)):
+        with open_device(spec) as dev:
+            dev.emulator.models.bind(insts.encode(stream), Passthrough())
+            ctx = dev.hw_context(build_mlir_aie(b"pdi", column_width=1, n_buffers=2))
+            a, b = dev.bo(4096), dev.bo(4096)
+            a.write(bytes(range(64)))                      # no a.sync()
+            run = ctx.kernel().prepare_npu(stream, [a, b]).start()
+            if fails:
+                with pytest.raises(errors.CommandError, match=r"command ERROR: EIO .*; the emulated firmware "
+                                                              r"logged why \(logger amdxdna_direct\.emu"):
+                    run.wait()
+            else:
+                assert run.wait() == 4
 
 
 class _OtherDriver(RecordingSeam):

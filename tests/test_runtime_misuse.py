@@ -87,7 +87,7 @@ def test_closing_the_device_while_another_thread_waits(npu1_fixture):
     def waiter():
         entered.set()
         try:
-            run.wait(None)
+            run.wait(kernel.FOREVER)
         except BaseException as exc:  # noqa: BLE001 - the outcome is what is checked
             outcome.append(exc)
 

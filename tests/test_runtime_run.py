@@ -7,7 +7,9 @@ import ctypes
 import errno
 import functools
 import gc
+import inspect
 import json
+import math
 import os
 import struct
 import threading
@@ -32,7 +34,8 @@ from conftest import (
 )
 from fixture_files import fixture
 
-from amdxdna_direct import Device, RunList, Xclbin, cmd, errors, insts, open_device, xclbin
+from amdxdna_direct import Device, Run, RunList, Xclbin, cmd, errors, insts, open_device, xclbin
+from amdxdna_direct import kernel as kernel_mod
 from amdxdna_direct.emu import EmuDevice, Gemm
 
 # Hand-decoded from insts.bin (spec 2.3 worked example): BD1 (0x1D020, patched with arg_idx 2, the output)
@@ -199,7 +202,7 @@ def test_gemm_over_chunked_sub_buffers_equals_numpy(device, rows):
     c.sync(direction="from_device")
     expected = (a_host.astype(np.float32) @ b_host.astype(np.float32)).astype(BF16)
     np.testing.assert_array_equal(c.array(BF16, shape=(rows, n)), expected)
-    assert runs[0].handles == [ctx.instructions(streams[m])[0].handle, a.handle, b.handle, c.handle]
+    assert runs[0].handles == [ctx.instructions(streams[m]).bo.handle, a.handle, b.handle, c.handle]
 
 
 @pytest.mark.emu_only
@@ -378,7 +381,9 @@ def test_regmap_in_packet_uses_device_addresses(device, npu1_fixture):
     ctx, kernel, stream = _passthrough(device, npu1_fixture)
     a, b, c, _ = _buffers(device)
     run = kernel.prepare_npu(stream, [a.sub(64, 128), None, c])
-    instr, nwords = ctx.instructions(stream)
+    prepared = ctx.instructions(stream)
+    instr, nwords = prepared.bo, prepared.nwords
+    assert run.insts is prepared
     words = struct.unpack_from("<17I", run.packet.read(68))
     assert words[0] == 0x30010001 and words[1] == 1
     assert words[2:4] == (3, 0) and words[6] == nwords == len(stream) // 4
@@ -458,9 +463,9 @@ def test_instruction_streams_in_every_form_are_uploaded_once(device, npu1_fixtur
              np.frombuffer(stream, np.uint32)]
     uploads = [ctx.instructions(form) for form in forms]
     assert device.stats["CREATE_BO"] == creates + 1
-    assert all(u == uploads[0] for u in uploads) and uploads[0][1] == len(stream) // 4 == 82
-    assert uploads[0][0].read(len(stream)) == stream                 # the bytes of the file, unchanged
-    assert kernel.prepare_npu(str(text), [None]).handles == [uploads[0][0].handle]
+    assert all(u is uploads[0] for u in uploads) and uploads[0].nwords == len(stream) // 4 == 82
+    assert uploads[0].read() == uploads[0].bo.read(len(stream)) == stream     # the bytes of the file, unchanged
+    assert kernel.prepare_npu(str(text), [None]).handles == [uploads[0].bo.handle]
     with pytest.raises(insts.InstsError):
         ctx.instructions(stream[:-4])
     with pytest.raises(TypeError, match="instruction stream"):
@@ -477,6 +482,55 @@ def test_bad_timeouts_are_rejected_before_waiting(device, npu1_fixture):
             run.wait(bad)
     assert device.stats["SYNCOBJ_TIMELINE_WAIT"] == waits
     assert run.wait(30) == cmd.ERT_CMD_STATE_COMPLETED
+
+
+def test_waits_are_bounded_by_10_seconds_unless_forever_is_asked(npu1_fixture):
+    # docs/runtime.md 3.4: the deadline is absolute CLOCK_MONOTONIC (spec 1.9): now + 10 s by default and for
+    # None; FOREVER (math.inf) is INT64_MAX. Bounds: the clock read before and after the wait call.
+    assert inspect.signature(Run.wait).parameters["timeout"].default == kernel_mod.DEFAULT_TIMEOUT == 10.0
+    assert inspect.signature(RunList.wait).parameters["timeout"].default == 10.0
+    assert kernel_mod.FOREVER == math.inf
+    dev, emu, seam = emu_open("npu1")
+    stream = passthrough_stream(dev, npu1_fixture)
+    ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+    run = ctx.kernel().prepare_npu(stream, [dev.bo(4096), None, dev.bo(4096)])
+
+    def deadline_of(wait) -> tuple[int, int, int]:
+        run.start()
+        before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        wait()
+        after = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        call = [c for c in seam.calls if c[0] == "ioctl" and c[1] & 0xFF == 0xCA][-1]
+        return before, TIMELINE_WAIT.unpack_from(call[2], 0)[2], after
+
+    for wait in (run.wait, lambda: run.wait(None), lambda: run.wait(timeout=10)):
+        before, deadline, after = deadline_of(wait)
+        assert before + 10 * 10**9 <= deadline <= after + 10 * 10**9
+    before, deadline, after = deadline_of(lambda: run.wait(2.5))
+    assert before + 2_500_000_000 <= deadline <= after + 2_500_000_000
+    assert deadline_of(lambda: run.wait(kernel_mod.FOREVER))[1] == (1 << 63) - 1
+    rl = RunList(ctx, [run])
+    rl.start()
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    rl.wait()
+    after = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    call = [c for c in seam.calls if c[0] == "ioctl" and c[1] & 0xFF == 0xCA][-1]
+    assert before + 10 * 10**9 <= TIMELINE_WAIT.unpack_from(call[2], 0)[2] <= after + 10 * 10**9
+    dev.close()
+
+
+def test_a_hung_run_with_the_default_timeout_ends(npu1_fixture):
+    # A hang the driver's TDR ends is reported, not waited for without bound (the emulator's TDR is 0.2 s here).
+    emu = EmuDevice("npu1", tdr_timeout=0.2)
+    with open_device(emu) as dev:
+        stream = passthrough_stream(dev, npu1_fixture)
+        emu.faults.hang(stream)
+        ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
+        run = ctx.kernel().prepare_npu(stream, [dev.bo(4096), None, dev.bo(4096)])
+        with pytest.raises(errors.CommandTimeout) as info:
+            run.start().wait()
+    emu.close()
+    assert info.value.state == "TIMEOUT"
 
 
 class _FailNth(RecordingSeam):

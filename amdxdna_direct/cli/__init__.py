@@ -22,16 +22,31 @@ from ..errors import errno_text
 __all__ = ["SUBCOMMANDS", "DEVICE_ENV", "add_device_option", "add_file_parser", "build_parser", "command_parser",
            "device_spec", "inspect_file", "main"]
 
-SUBCOMMANDS = ("xclbin_cmd", "insts_cmd", "info_cmd", "doctor_cmd", "run_cmd", "trace_cmd")
+SUBCOMMANDS = ("xclbin_cmd", "insts_cmd", "info_cmd", "top_cmd", "doctor_cmd", "validate_cmd", "configure_cmd",
+               "run_cmd", "trace_cmd")
 
 EXIT_USAGE = 2
 DEVICE_ENV = "AMDXDNA_DEVICE"
 
 
+class _CommandListFormatter(argparse.HelpFormatter):
+    """argparse measures subcommand names at their parent's indent, two columns less than they are printed
+    at, so the longest names wrap below their summary; this measures them where they are printed."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS:
+            names = [self._format_action_invocation(sub) for sub in getattr(action, "_get_subactions", list)()]
+            if names:
+                longest = max(map(len, names)) + self._current_indent + self._indent_increment
+                self._action_max_length = max(self._action_max_length, longest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``amdxdna`` parser with every registered subcommand; each sets ``run`` as its handler."""
     parser = argparse.ArgumentParser(prog="amdxdna", description="Drive AMD XDNA NPUs through the amdxdna "
-                                     "driver without XRT; inspect xclbins and instruction streams.")
+                                     "driver without XRT; inspect xclbins and instruction streams.",
+                                     formatter_class=_CommandListFormatter)
     subparsers = parser.add_subparsers(metavar="COMMAND")
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")
@@ -88,7 +103,8 @@ def inspect_file(name: str, args: argparse.Namespace, load: Callable[[str], Any]
 def command_parser(subparsers, name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """A subcommand parser: one-line ``summary`` for ``amdxdna --help``, ``description`` wrapped, ``epilog`` as is.
 
-    Shared by the device commands (info, doctor, run, trace) so their help reads the same.
+    Shared by the device commands (info, top, doctor, validate, configure, run, trace) so their help reads the
+    same.
     """
     return subparsers.add_parser(name, help=summary, description=textwrap.fill(description, 100), epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,10 +14,17 @@ __all__ = ["add_parser", "run", "format_results"]
 
 EXIT_CODES = """\
 checks, in order:
-  node           /dev/accel/accelN exists and sysfs says amdxdna drives it
-  permission     the node opens read-write (mode bits and group; container device flags)
-  memlock        RLIMIT_MEMLOCK covers a 64 MiB heap plus buffers
-  kernel-log     no SVA bind failures, IOMMU page faults or amdxdna errors in /dev/kmsg
+  node           /dev/accel/accelN exists and sysfs says amdxdna drives it; without a node, a PCI scan says
+                 why: no NPU (or disabled in the firmware setup), no driver bound (module missing or not
+                 loaded for this kernel), or a failed probe (quoting the kernel-log finding)
+  permission     the node opens read-write (mode bits and group, a udev rule for a root-only node;
+                 container device flags)
+  memlock        RLIMIT_MEMLOCK covers XRT's 64 MiB heap plus buffers (info unless XRT is installed:
+                 amdxdna-direct maps nothing locked)
+  kernel-log     every line of this boot's log (/dev/kmsg, else `journalctl -k -b 0`) against the rule
+                 table of docs/doctor.md: IOMMU/PASID/SVA, firmware file, protocol and liveness, context
+                 and heap refusals, IOMMU page faults (one or a storm), hung firmware; all findings with
+                 counts and the time of the last
   feature-level  VERSION, GET_INFO, GET_ARRAY and timeline syncobjs answer as this runtime expects
   firmware       the firmware version is readable (and agrees with sysfs)
   contexts       contexts are free: live contexts vs the firmware limit, and a real CREATE_HWCTX probe
@@ -29,7 +36,7 @@ exit codes:
   2    usage error (bad option, --xclbin without --insts or the reverse, unknown --user, unknown emulator
        profile in --device or $AMDXDNA_DEVICE)"""
 
-_MARK = {doctor.PASS: "pass", doctor.WARN: "WARN", doctor.FAIL: "FAIL", doctor.SKIP: "skip"}
+_MARK = {doctor.PASS: "pass", doctor.INFO: "info", doctor.WARN: "WARN", doctor.FAIL: "FAIL", doctor.SKIP: "skip"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,7 +62,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="instruction stream of the --xclbin self-test design (default: none; required with "
                              "--xclbin)")
     parser.add_argument("--json", action="store_true",
-                        help="print the results as a JSON list of {name, status, detail, fix} (default: text)")
+                        help="print the results as a JSON list of {name, status, detail, fix, findings} "
+                             "(default: text)")
     return parser
 
 
@@ -91,13 +99,19 @@ def _env_device(root: str) -> str | None:
 
 
 def format_results(results: list[doctor.CheckResult]) -> str:
-    """One line per check, the fix indented below it, and a verdict line."""
+    """One line per check, the fix indented below it, every kernel-log finding below that, and a verdict line."""
     lines = []
+    indent = " " * 22
     for r in results:
         lines.append(f"[{_MARK[r.status]}] {r.name:<14} {r.detail}")
         if r.fix and r.status != doctor.PASS:
-            lines.append(f"{'':7}{'':15}fix: {r.fix}")
+            lines.append(f"{indent}fix: {r.fix}")
+        for finding in r.findings[1:] if r.status != doctor.PASS else r.findings:
+            when = f", last at {finding['time']:.3f} s" if finding["time"] is not None else ""
+            lines.append(f"{indent}[{_MARK[finding['verdict']]}] {finding['meaning']} ({finding['count']}x{when})")
+            if finding["fix"] and finding["verdict"] != doctor.PASS:
+                lines.append(f"{indent}       fix: {finding['fix']}")
     counts = {s: sum(r.status == s for r in results) for s in _MARK}
-    lines.append(f"{counts[doctor.FAIL]} failed, {counts[doctor.WARN]} warning(s), {counts[doctor.PASS]} passed, "
-                 f"{counts[doctor.SKIP]} skipped")
+    lines.append(f"{counts[doctor.FAIL]} failed, {counts[doctor.WARN]} warning(s), {counts[doctor.INFO]} info, "
+                 f"{counts[doctor.PASS]} passed, {counts[doctor.SKIP]} skipped")
     return "\n".join(lines)

@@ -1,14 +1,16 @@
 """``amdxdna info``: what the device, its driver and its firmware report, and the live hardware contexts.
 
-PCI identity comes from sysfs (``/sys/class/accel/accelN/device/*``, spec amdxdna-uapi.md 8) on a real
-node and from the profile on the emulator; everything else from DRM_IOCTL_VERSION and GET_INFO (spec 10).
-A query the driver does not have (EOPNOTSUPP, e.g. QUERY_RESOURCE_INFO before feature level 0.4) is
-reported as "not supported by this driver".
+PCI identity comes from sysfs (``/sys/class/accel/accelN/device/*``, docs/doctor.md 3) on a real node and
+from the profile on the emulator; everything else from DRM_IOCTL_VERSION, GET_INFO and GET_ARRAY (the
+driver's full context entries: ``Device.hw_contexts``, docs/cli.md "amdxdna info"). A query the driver
+does not have (EOPNOTSUPP, e.g. QUERY_RESOURCE_INFO before feature level 0.4) is reported as "not
+supported by this driver". ``--json`` prints a JSON document even when the device cannot be opened.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import sys
@@ -16,20 +18,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import doctor, open_device
-from ..device import Device, pci_generation
+from .. import abi, doctor, open_device
+from ..device import Device, HwContextEntry, pci_generation
 from ..errors import XdnaError
 from . import add_device_option, command_parser
 
-__all__ = ["collect", "format_info", "sysfs_pci", "add_parser", "run"]
+__all__ = ["collect", "context_dict", "query", "error_text", "clock_mhz", "format_info", "format_contexts",
+           "sysfs_pci", "add_parser", "run", "PRIORITY_NAMES", "HEALTH_FIELDS"]
 
 NOT_SUPPORTED = "not supported by this driver"
-DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdxdna_device_type (spec 3)
+DEVICE_TYPES = {"-1": "unknown", "0": "KMQ", "1": "UMQ", "2": "PF"}  # enum amdxdna_device_type (docs/cli.md)
+# qos priority of a context entry (the AMDXDNA_QOS_*_PRIORITY values; docs/cli.md "amdxdna info").
+PRIORITY_NAMES = {abi.AMDXDNA_QOS_REALTIME_PRIORITY: "realtime", abi.AMDXDNA_QOS_HIGH_PRIORITY: "high",
+                  abi.AMDXDNA_QOS_NORMAL_PRIORITY: "normal", abi.AMDXDNA_QOS_LOW_PRIORITY: "low"}
+QOS_FIELDS = ("gops", "fps", "dma_bandwidth", "latency", "frame_exec_time")
+# The context's health record: where the firmware was when a command failed (docs/cli.md "amdxdna info").
+HEALTH_FIELDS = ("txn_op_idx", "ctx_pc", "fatal_error_type", "fatal_error_exception_type",
+                 "fatal_error_exception_pc", "fatal_error_app_module")
 
 EXIT_CODES = """\
 exit codes:
   0    the device was opened and every query answered (a query this driver lacks is reported, not a failure)
-  1    the device could not be opened, or a query failed (message on stderr; `amdxdna doctor` says why)
+  1    the device could not be opened, or a query failed (message on stderr; with --json the document
+       carries the error too; `amdxdna doctor` says why)
   2    usage error (bad option; unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
 
 
@@ -38,10 +49,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = command_parser(
         subparsers, "info", "show the device, driver, firmware, AIE array, clocks and live contexts",
         "Show the device node, PCI id and generation, driver name and DRM version (feature level), "
-        "firmware version, AIE version and geometry, clocks, power mode, resource info and a table "
-        "of live hardware contexts (id, columns, pid, submissions, completions, errors).", EXIT_CODES)
+        "firmware version, AIE version and geometry, clocks, power mode, resource info and the driver's "
+        "full entry for every hardware context of every process (GET_ARRAY: id, columns, pid and process "
+        "name, state, priority, QoS, submissions, completions, errors, migrations, preemptions, suspensions, "
+        "heap usage and the health record of a failed command).", EXIT_CODES)
     add_device_option(parser, "device to query", "$AMDXDNA_DEVICE, else the first /dev/accel node driven by amdxdna")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (default: text)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object, also when the device cannot be opened (default: text)")
     return parser
 
 
@@ -50,16 +64,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         dev = open_device(args.device)
     except XdnaError as exc:
+        if args.json:
+            print(json.dumps({"device": _spec_text(args.device), "error": str(exc),
+                              "hint": "`amdxdna doctor` says why"}, indent=2))
         print(f"amdxdna info: {exc}", file=sys.stderr)
         return 1
     with dev:
         info = collect(dev)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
-    failed = [key for key, value in info.items() if _error(value) not in (None, NOT_SUPPORTED)]
+    failed = [key for key, value in info.items() if error_text(value) not in (None, NOT_SUPPORTED)]
     if failed:
         print(f"amdxdna info: {dev.name}: query failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _spec_text(spec: Any) -> str | None:
+    if spec is None or isinstance(spec, str):
+        return spec
+    profile = getattr(getattr(spec, "profile", None), "name", None)
+    return f"emu:{profile}" if profile else type(spec).__name__
 
 
 def collect(dev: Device) -> dict[str, Any]:
@@ -70,23 +94,39 @@ def collect(dev: Device) -> dict[str, Any]:
         "pci": _pci(dev),
         "driver": {"name": version.name, "version": f"{version.major}.{version.minor}.{version.patchlevel}",
                    "feature_level": version.minor, "desc": version.desc, "date": version.date},
-        "firmware": _query(lambda: str(dev.firmware_version())),
-        "aie": _query(lambda: _aie(dev)),
-        "clocks": _query(lambda: _clocks(dev)),
-        "power_mode": _query(lambda: dev.power_mode().name),
-        "resources": _query(lambda: vars(dev.resource_info()).copy()),
-        "contexts": _query(lambda: [vars(c).copy() for c in dev.hw_contexts()]),
+        "firmware": query(lambda: str(dev.firmware_version())),
+        "aie": query(lambda: _aie(dev)),
+        "clocks": query(lambda: clock_mhz(dev)),
+        "power_mode": query(lambda: dev.power_mode().name),
+        "resources": query(lambda: vars(dev.resource_info()).copy()),
+        "contexts": query(lambda: [context_dict(c) for c in dev.hw_contexts()]),
     }
 
 
-def _query(fn: Callable[[], Any]) -> Any:
+def context_dict(entry: HwContextEntry) -> dict[str, Any]:
+    """Every field of the driver's context entry (None where its entry is too short), plus ``state_name``
+    and ``priority_name`` decoded."""
+    out = dataclasses.asdict(entry)
+    out["state_name"] = entry.state_name
+    out["priority_name"] = None if entry.priority is None else PRIORITY_NAMES.get(entry.priority,
+                                                                                  f"{entry.priority:#x}")
+    return out
+
+
+def query(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or ``{"error": message}`` when it raises XdnaError ("not supported by this driver" for EOPNOTSUPP)."""
     try:
         return fn()
     except XdnaError as exc:
         return {"error": NOT_SUPPORTED if exc.errno == errno.EOPNOTSUPP else str(exc)}
 
 
-def _clocks(dev: Device) -> dict[str, int]:
+def clock_mhz(dev: Device) -> dict[str, int]:
+    """The two clocks of GET_INFO QUERY_CLOCK_METADATA: name -> MHz.
+
+    Raises:
+        XdnaError: the query failed.
+    """
     clocks = dev.clock_metadata()
     return {c.name: c.freq_mhz for c in (clocks.mp_npu_clock, clocks.h_clock)}
 
@@ -124,7 +164,8 @@ def _aie(dev: Device) -> dict[str, Any]:
             "columns": meta.cols, "rows": meta.rows, "col_size": meta.col_size, "tiles": rows}
 
 
-def _error(value: Any) -> str | None:
+def error_text(value: Any) -> str | None:
+    """The message of a failed query's ``{"error": message}``, None for an answer."""
     return value["error"] if isinstance(value, dict) and set(value) == {"error"} else None
 
 
@@ -138,7 +179,7 @@ def format_info(info: dict[str, Any]) -> str:
                             ("clocks", "clocks", _format_clocks), ("power mode", "power_mode", str),
                             ("resources", "resources", _format_resources)):
         value = info[key]
-        lines.append(f"{label:<12}{_error(value) or fmt(value)}")
+        lines.append(f"{label:<12}{error_text(value) or fmt(value)}")
     lines += _format_contexts(info["contexts"])
     return "\n".join(lines)
 
@@ -171,14 +212,45 @@ def _format_resources(r: dict[str, int]) -> str:
 
 
 def _format_contexts(contexts: Any) -> list[str]:
-    if _error(contexts):
-        return [f"{'contexts':<12}{_error(contexts)}"]
+    if error_text(contexts):
+        return [f"{'contexts':<12}{error_text(contexts)}"]
     if not contexts:
         return [f"{'contexts':<12}none"]
-    lines = [f"{'contexts':<12}{len(contexts)}",
-             f"  {'id':>4} {'columns':>9} {'pid':>8} {'submitted':>10} {'completed':>10} {'errors':>7}"]
+    return [f"{'contexts':<12}{len(contexts)}", *format_contexts(contexts)]
+
+
+def format_contexts(contexts: list[dict[str, Any]], rates: dict[int, dict[str, float]] | None = None) -> list[str]:
+    """The context table: one row per entry (with ``rates[context_id]`` per second when given), and below a
+    row its QoS and heap when the driver reports them, and its health record when a command failed."""
+    rate_head = f" {'sub/s':>8} {'done/s':>8}" if rates is not None else ""
+    lines = [f"  {'id':>4} {'columns':>9} {'pid':>8} {'process':<16} {'state':<7} {'prio':<8} {'submitted':>10} "
+             f"{'completed':>10} {'errors':>7}{rate_head}"]
     for c in contexts:
         cols = f"{c['start_col']}-{c['start_col'] + c['num_col'] - 1}"
-        lines.append(f"  {c['context_id']:>4} {cols:>9} {c['pid']:>8} {c['command_submissions']:>10} "
-                     f"{c['command_completions']:>10} {c['errors']:>7}")
+        rate = ""
+        if rates is not None:
+            r = rates.get(c["context_id"], {})
+            rate = f" {_rate(r.get('command_submissions')):>8} {_rate(r.get('command_completions')):>8}"
+        lines.append(f"  {c['context_id']:>4} {cols:>9} {c['pid']:>8} {c.get('name') or '-':<16} "
+                     f"{c.get('state_name') or '-':<7} {c.get('priority_name') or '-':<8} "
+                     f"{c['command_submissions']:>10} {c['command_completions']:>10} {c['errors']:>7}{rate}")
+        lines += _context_details(c)
     return lines
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _context_details(c: dict[str, Any]) -> list[str]:
+    details = []
+    if c.get("hwctx_id") is not None:
+        qos = ", ".join(f"{name} {c[name]}" for name in QOS_FIELDS if c.get(name))
+        details.append(f"{'':8}fw ctx {c['hwctx_id']}, pasid {c.get('pasid')}, heap {c.get('heap_usage')} B, "
+                       f"migrations {c['migrations']}, preemptions {c['preemptions']}, suspensions "
+                       f"{c.get('suspensions')}; QoS {qos or 'none requested'}")
+    if any(c.get(name) for name in HEALTH_FIELDS):
+        details.append(f"{'':8}health: TXN op {c['txn_op_idx']}, pc {c['ctx_pc']:#x}, fatal error type "
+                       f"{c['fatal_error_type']}, exception type {c['fatal_error_exception_type']} at pc "
+                       f"{c['fatal_error_exception_pc']:#x}, app module {c['fatal_error_app_module']}")
+    return details

@@ -5,9 +5,10 @@ takes raw ioctl request numbers and struct bytes like ``fcntl.ioctl`` on ``/dev/
 See docs/emulator.md for the rule table, profiles, faults and model binding.
 """
 
-from .driver import PROFILES, EmuDevice, EmuSeam, Profile
+from .driver import EmuDevice, EmuSeam
 from .memory import DeviceFault
 from .models import Elementwise, Gemm, Mha, Model, ModelRegistry, Passthrough
+from .profiles import PROFILES, Profile
 
 __all__ = ["PROFILES", "DeviceFault", "Elementwise", "EmuDevice", "EmuSeam", "Gemm", "Mha", "Model", "ModelRegistry",
            "Passthrough", "Profile"]

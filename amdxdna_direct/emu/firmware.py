@@ -150,6 +150,17 @@ class Dispatch:
     instr_size: int | None = None
 
 
+@dataclass(frozen=True)
+class Extent:
+    """The bytes one argument's buffer descriptors cover, in the BO they resolved to."""
+
+    arg_idx: int
+    bo: Bo
+    offset: int
+    length: int
+    reads: bool                          # an MM2S (or unknown-direction) BD reads it; else the device only writes it
+
+
 @dataclass
 class Work:
     """What firmware runs for one dispatch."""
@@ -158,6 +169,7 @@ class Work:
     program: txn.TxnProgram
     args: dict[int, np.ndarray]
     model: Model | None
+    extents: list[Extent] = field(default_factory=list)
 
 
 @dataclass
@@ -430,6 +442,10 @@ class Firmware:
             job.complete()
 
     def _report_failure(self, job, outcome: _Outcome) -> None:
+        if outcome.state == ERT_CMD_STATE_TIMEOUT:
+            # The app-health report GET_ARRAY HW_CONTEXT_ALL reads back; the emulated firmware has no program
+            # counter or exception codes to give.
+            job.ctx.health = {"txn_op_idx": outcome.txn_op_idx}
         target = outcome.fill if outcome.fill is not None else self._fill_target(job)
         if target is None:
             return
@@ -526,6 +542,8 @@ class Firmware:
             return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
         task = _Task(work.model, work.args, hang=fault == "hang")
         verdict = self._await(lane, task)
+        if verdict == "done":
+            self._record_writes(job, work)
         if verdict == "hung":
             logger.error("%s: TDR: stream %s made no progress for %.3g s", _job_name(job), work.digest,
                          self.tdr_timeout)
@@ -545,15 +563,50 @@ class Firmware:
         return ERT_CMD_STATE_ERROR
 
     def _prepare(self, job, dispatch: Dispatch) -> Work:
-        instr, nbytes, slots = _regmap(dispatch)
-        bo, offset = job.memory.resolve(instr, nbytes)
-        if bo.kind != AMDXDNA_BO_DEV:
-            raise FirmwareError(f"instruction stream at {instr:#x} is in a {bo.kind_name} BO, not in the heap window")
-        stream = bo.mem[offset:offset + nbytes]     # hashed in place; copied only when first walked
-        digest = stream_digest(stream)
-        program = self._walk(digest, stream)
-        args = _patched_args(job.memory, program, slots)
-        return Work(digest, program, args, self.models.lookup(digest))
+        """Read what the dispatch runs from device memory: PDI, instructions, argument extents (under the driver's
+        lock, so no SYNC_BO interleaves with the reads).
+
+        Raises:
+            FirmwareError: a refused stream or buffer (including one the CPU wrote after its last sync).
+            DeviceFault: an address outside every BO.
+            txn.TxnError: a malformed stream.
+        """
+        instr, claimed, what, slots = _regmap(dispatch)
+        with job.device.lock:
+            pdi = job.ctx.cus[dispatch.cu][0]
+            _check_synced(pdi, 0, pdi.size, f"the PDI of CU {dispatch.cu}")
+            bo, offset = job.memory.resolve(instr, txn.HEADER_WORDS * 4)
+            if bo.kind != AMDXDNA_BO_DEV:
+                raise FirmwareError(f"instruction stream at {instr:#x} is in a {bo.kind_name} BO, not in the heap "
+                                    f"window")
+            _check_synced(bo, offset, txn.HEADER_WORDS * 4, "the instruction stream")
+            # The firmware takes the stream's length from its TXN header; the command's count only has to cover
+            # it (rule 52: ninstr in words, as the mlir-aie C++ harnesses pass it, or in bytes, as IRON does).
+            nbytes = txn.parse_header(_device_bytes(bo, offset, txn.HEADER_WORDS * 4)).size
+            if claimed < nbytes:
+                raise FirmwareError(f"{what} is shorter than the TXN header's size of {nbytes} bytes")
+            bo, offset = job.memory.resolve(instr, nbytes)
+            _check_synced(bo, offset, nbytes, "the instruction stream")
+            stream = memoryview(_device_bytes(bo, offset, nbytes))  # hashed in place; copied when first walked
+            digest = stream_digest(stream)
+            program = self._walk(digest, stream)
+            extents = _patched_extents(job.memory, program, slots)
+            for extent in extents:
+                if extent.reads:
+                    _check_synced(extent.bo, extent.offset, extent.length, f"arg {extent.arg_idx}")
+            args = {e.arg_idx: _device_bytes(e.bo, e.offset, e.length) for e in extents}
+        return Work(digest, program, args, self.models.lookup(digest), extents)
+
+    @staticmethod
+    def _record_writes(job, work: Work) -> None:
+        """After a model ran: the lines it wrote stay in device memory until a SYNC_BO over them (Memory
+        coherence). A buffer the stream only writes (S2MM) counts as written whole, as its DMA covers it."""
+        with job.device.lock:
+            for extent in work.extents:
+                view = extent.bo.view
+                if view is not None:
+                    start = extent.bo.view_offset + extent.offset
+                    view.written(start, start + extent.length, whole=not extent.reads)
 
     def _walk(self, digest: str, stream: memoryview) -> txn.TxnProgram:
         """Walk a stream once per digest (a walk depends only on the bytes and the device generation).
@@ -634,40 +687,42 @@ def _chain_handles(packet: Packet) -> list[int]:
     return [h & 0xFFFFFFFF for h in struct.unpack_from(f"<{count}Q", payload, CHAIN_PREAMBLE)]
 
 
-def _regmap(dispatch: Dispatch) -> tuple[int, int, dict[int, int]]:
-    """(instruction address, stream bytes, buffer slots) of a dispatch.
+def _regmap(dispatch: Dispatch) -> tuple[int, int, str, dict[int, int]]:
+    """(instruction address, the most bytes the command's count can mean, that count named, buffer slots).
 
     Raises:
         FirmwareError: a regmap too short for the TXN kernel, another kernel opcode, an empty stream.
     """
     regmap = dispatch.regmap
     if dispatch.opcode == ERT_START_NPU:
-        instr, nbytes = dispatch.instr, dispatch.instr_size
-        if nbytes == 0 or nbytes % 4:
-            raise FirmwareError(f"ERT_START_NPU instruction size {nbytes} is not a positive multiple of 4")
+        instr, claimed = dispatch.instr, dispatch.instr_size
+        if claimed == 0 or claimed % 4:
+            raise FirmwareError(f"ERT_START_NPU instruction size {claimed} is not a positive multiple of 4")
+        what = f"ERT_START_NPU instruction size {claimed}"
     elif len(regmap) < REGMAP_SLOTS:
         raise FirmwareError(f"regmap of {len(regmap)} bytes lacks opcode, instr and ninstr ({REGMAP_SLOTS} bytes)")
     else:
         instr = struct.unpack_from("<Q", regmap, REGMAP_INSTR)[0]
         ninstr = struct.unpack_from("<I", regmap, REGMAP_NINSTR)[0]
-        nbytes = 4 * ninstr
         if ninstr == 0:
             raise FirmwareError("regmap ninstr is 0")
+        claimed, what = 4 * ninstr, f"regmap ninstr {ninstr} (words or bytes)"
     if len(regmap) >= 8 and (op := struct.unpack_from("<Q", regmap)[0]) != AIE2_EXEC_BUFFER_KERNEL_OP_TXN:
         raise FirmwareError(f"regmap kernel opcode {op} is not {AIE2_EXEC_BUFFER_KERNEL_OP_TXN} (TXN)")
     count = max(0, (len(regmap) - REGMAP_SLOTS) // 8)
     slots = {k: struct.unpack_from("<Q", regmap, REGMAP_SLOTS + 8 * k)[0] for k in range(count)}
-    return instr, nbytes, slots
+    return instr, claimed, what, slots
 
 
-def _patched_args(memory, program: txn.TxnProgram, slots: dict[int, int]) -> dict[int, np.ndarray]:
-    """arg_idx -> uint8 view of the union of its BD extents, each resolved to a BO (docs/design.md 2).
+def _patched_extents(memory, program: txn.TxnProgram, slots: dict[int, int]) -> list[Extent]:
+    """Per arg_idx, the union of its BD extents resolved to one BO (docs/design.md 2), and whether any BD reads it.
 
     Raises:
         FirmwareError: a patch names a slot beyond the regmap, or one argument's extents span BOs.
         DeviceFault: an extent outside every BO.
     """
     extents: dict[int, tuple[int, int]] = {}
+    reads: dict[int, bool] = {}
     for patch in program.patches:
         if patch.arg_idx not in slots:
             raise FirmwareError(f"TXN op {patch.op_index}: DDR_PATCH arg_idx {patch.arg_idx} has no regmap slot "
@@ -676,14 +731,40 @@ def _patched_args(memory, program: txn.TxnProgram, slots: dict[int, int]) -> dic
         memory.resolve(start, patch.length)
         lo, hi = extents.get(patch.arg_idx, (start, start + patch.length))
         extents[patch.arg_idx] = (min(lo, start), max(hi, start + patch.length))
-    args = {}
+        directions = program.directions(patch)
+        reads[patch.arg_idx] = reads.get(patch.arg_idx, False) or not directions or "mm2s" in directions
+    resolved = []
     for arg_idx, (lo, hi) in sorted(extents.items()):
         try:
             bo, offset = memory.resolve(lo, hi - lo)
         except DeviceFault as exc:
             raise FirmwareError(f"arg {arg_idx}: its BD extents [{lo:#x}, {hi:#x}) span more than one BO") from exc
-        args[arg_idx] = np.frombuffer(bo.mem, dtype=np.uint8, count=hi - lo, offset=offset)
-    return args
+        resolved.append(Extent(arg_idx, bo, offset, hi - lo, reads[arg_idx]))
+    return resolved
+
+
+def _device_bytes(bo: Bo, offset: int, length: int) -> np.ndarray:
+    """A writable uint8 view of `length` bytes at `offset` of `bo` as the device sees them."""
+    if bo.view is None:                 # coherent: the pages themselves
+        return np.frombuffer(bo.mem, dtype=np.uint8, count=length, offset=offset)
+    start = bo.view_offset + offset
+    return bo.view.dev[start:start + length]
+
+
+def _check_synced(bo: Bo, offset: int, length: int, what: str) -> None:
+    """Refuse device reads of bytes the CPU wrote after their last SYNC_BO (the device would read stale memory).
+
+    Raises:
+        FirmwareError: naming `what`, the BO's handle and type, and the byte range within the BO.
+    """
+    if bo.view is None:
+        return
+    start = bo.view_offset + offset
+    stale = bo.view.stale(start, start + length)
+    if stale is not None:
+        lo, hi = stale[0] - bo.view_offset, stale[1] - bo.view_offset
+        raise FirmwareError(f"{what}: {bo.kind_name} BO handle {bo.handle}, bytes [{lo:#x}, {hi:#x}) were written by "
+                            f"the CPU after the last sync (SYNC_BO that range before submitting)")
 
 
 def _set_state(mem: memoryview, state: int) -> None:

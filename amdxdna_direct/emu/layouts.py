@@ -98,6 +98,8 @@ hwctx_entry = _layout("amdxdna_drm_hwctx_entry",
                       "Q:suspensions I:state I:pasid I:gops I:fps I:dma_bandwidth I:latency I:frame_exec_time "
                       "I:txn_op_idx I:ctx_pc I:fatal_error_type I:fatal_error_exception_type "
                       "I:fatal_error_exception_pc I:fatal_error_app_module I:pad")
+# The staging / out-of-tree entry: the same fields, then the process name (TASK_COMM_LEN bytes).
+hwctx_entry_oot = Layout(hwctx_entry.name, (*hwctx_entry.fields, "name"), hwctx_entry.fmt + "16s")
 async_error = _layout("amdxdna_async_error", "Q:err_code Q:ts_us Q:ex_err_code")
 bo_usage = _layout("amdxdna_drm_bo_usage", "q:pid Q:total_usage Q:internal_usage Q:heap_usage")
 

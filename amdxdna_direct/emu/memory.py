@@ -20,6 +20,8 @@ import os
 import threading
 from dataclasses import dataclass, field
 
+from .coherence import DeviceView
+
 AMDXDNA_BO_SHMEM, AMDXDNA_BO_DEV_HEAP, AMDXDNA_BO_DEV, AMDXDNA_BO_CMD = 1, 2, 3, 4
 BO_KIND_NAMES = {AMDXDNA_BO_SHMEM: "SHMEM", AMDXDNA_BO_DEV_HEAP: "DEV_HEAP", AMDXDNA_BO_DEV: "DEV",
                  AMDXDNA_BO_CMD: "CMD"}
@@ -27,6 +29,7 @@ AMDXDNA_INVALID_ADDR = (1 << 64) - 1
 AIE2_DEVM_BASE = 0x4000000          # device address of the heap (spec 4.4 DEV_HEAP)
 PAGE_SIZE = 4096
 DEV_BO_ALIGN = 32 << 10             # DEV BOs start 32 KiB aligned (spec 4.4 DEV, 7)
+BACKING_NAME = "amdxdna-"           # memfd name prefix of every emulated BO's pages (a dma-buf's fd link shows it)
 
 
 def page_align(size: int) -> int:
@@ -64,6 +67,9 @@ class Bo:
     released: bool = False
     dbg_ctx: object = None           # the context this BO is the debug buffer of (ASSIGN_DBG_BUF)
     fd_memory: Memory | None = None  # DEV BOs: the Memory whose heap they live in
+    file_key: tuple[int, int] = (-1, -1)  # (st_dev, st_ino) of a standalone BO's memfd: its dma-buf identity
+    view: DeviceView | None = None  # what the device sees of the pages (None: coherent, docs/emulator.md)
+    view_offset: int = 0            # where the BO's bytes start in `view`
     _backing: object = field(default=None, repr=False)
 
     @property
@@ -88,6 +94,42 @@ def new_backing(size: int, name: str) -> tuple[int, object, memoryview]:
     return memfd, mapping, memoryview(mapping)
 
 
+def file_key(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of an open file: the same for every dup of a BO's memfd (its exported dma-buf).
+
+    Raises:
+        OSError: `fd` is not an open descriptor.
+    """
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
+
+
+
+def is_bo_backing(fd: int) -> bool:
+    """Whether `fd` is the memfd of an emulated BO, of any EmuDevice (an exported dma-buf)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{BACKING_NAME}")
+    except OSError:
+        return False
+
+
+def import_backing(fd: int) -> tuple[int, object, memoryview, int]:
+    """The importer's own descriptor, kernel view and size of a dma-buf's pages: (memfd, mmap object, view, size).
+
+    Raises:
+        OSError: dup, fstat or mmap failed (the dup is closed again).
+    """
+    memfd = os.dup(fd)
+    try:
+        os.set_inheritable(memfd, False)
+        size = os.fstat(memfd).st_size
+        mapping = _mmap.mmap(memfd, size, _mmap.MAP_SHARED, _mmap.PROT_READ | _mmap.PROT_WRITE)
+    except OSError:
+        os.close(memfd)
+        raise
+    return memfd, mapping, memoryview(mapping), size
+
+
 def release_backing(bo: Bo) -> None:
     """Drop the kernel's view and memfd of a standalone BO.
 
@@ -95,6 +137,7 @@ def release_backing(bo: Bo) -> None:
     the pages (the pages live as long as any mapping does, as in the kernel).
     """
     bo.released = True
+    bo.view = None          # the device copy goes with the last BO over the file (an import may keep it)
     if bo.memfd >= 0:
         os.close(bo.memfd)
         bo.memfd = -1
@@ -137,8 +180,9 @@ class HeapWindow:
     it; each chunk BO owns a dup of the memfd (user mmap at that offset) and the kernel keeps one view.
     """
 
-    def __init__(self, size: int):
-        self.memfd, self._mapping, self.view = new_backing(size, "amdxdna-heap-window")
+    def __init__(self, size: int, coherent: bool = True):
+        self.memfd, self._mapping, self.view = new_backing(size, BACKING_NAME + "heap-window")
+        self.device = None if coherent else DeviceView(self.view)
 
     def chunk_fd(self) -> int:
         """A descriptor of the window file for one chunk BO (closed when the chunk is released)."""
@@ -154,7 +198,7 @@ class HeapWindow:
         if self.memfd >= 0:
             os.close(self.memfd)
             self.memfd = -1
-        self._mapping = self.view = None
+        self._mapping = self.view = self.device = None
 
 
 class Memory:

@@ -1,7 +1,7 @@
 """What an instruction stream computes: kernel models and the registry that binds them to streams.
 
 Firmware cannot know what a TXN stream computes, so the emulator is told: a model is bound to the
-sha256 of the stream's bytes (`ninstr * 4` bytes read from the instruction BO) and is called with
+sha256 of the stream's bytes (as many as its TXN header's size, read from the instruction BO) and is called with
 writable uint8 views of the buffers the stream's DDR_PATCH ops resolved, keyed by `arg_idx`
 (docs/design.md section 2). Semantics follow spec/sam3-bundle.md sections 2-6: bf16 in and out,
 fp32 accumulation, round to nearest even on the way back to bf16.

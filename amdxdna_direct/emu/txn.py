@@ -7,10 +7,21 @@ bytes; then the ops, each self-describing its length:
     WRITE32     [0x00, 0, addr, 0, value, 24]
     BLOCKWRITE  [0x01, 0, addr, bytes, data...]           (bytes counts the 4 header words)
     MASKWRITE   [0x03, 0, addr, 0, value, mask, 28]
-    MASKPOLL    [0x04, 0, addr, 0, value, mask, 28]
-    custom      [0x80.., bytes, ...]                      (TCT sync 0x80, DDR_PATCH 0x81, 0x82-0x84)
+    MASKPOLL    [0x04, 0, addr, 0, value, mask, 28]       (MASKPOLL_BUSY 0x07: the same encoding)
+    NOOP 0x05, PREEMPT 0x06, UPDATE_SCRATCH 0x0D          one word (opcode byte, then fields; no size)
+    LOAD_PM_START 0x09, UPDATE_STATE_TABLE 0x0B            two words
+    UPDATE_REG 0x0C                                        three words
+    LOADPDI 0x08, CREATE_SCRATCHPAD 0x0A                   four words
+    custom      [0x80.., bytes, ...]                      (TCT sync 0x80, DDR_PATCH 0x81, READ_REGS 0x82,
+                                                           RECORD_TIMER 0x83, MERGE_SYNC 0x84)
     DDR_PATCH   [0x81, 48, 0, 0, 0, 0, reg_addr, 0, arg_idx, 0, arg_plus, 0]
     SYNC (TCT)  [0x80, 16, dir | row<<8 | col<<16, rownum<<8 | colnum<<16 | chan<<24]
+
+The walker models WRITE32, BLOCKWRITE, MASKWRITE, DDR_PATCH and the TCT sync. A poll's register is checked
+against the partition and the poll taken as satisfied; every other known op is skipped by its length (the
+size word of custom ops, the fixed encoding of the others) and listed in ``TxnProgram.skipped``. Reserved and
+padding bytes are not read (the high word of a 64-bit register offset included), as the firmware ignores
+them. An unknown opcode or a malformed size is an error (docs/emulator.md, rule 53).
 
 Register addresses are partition-relative tile addresses `col<<25 | row<<20 | offset`. A shim
 buffer descriptor i lives at 0x1D000 + 0x20*i with word 0 its length in 32-bit words; a
@@ -26,9 +37,21 @@ OP_WRITE32 = 0x00
 OP_BLOCKWRITE = 0x01
 OP_MASKWRITE = 0x03
 OP_MASKPOLL = 0x04
+OP_NOOP = 0x05
+OP_PREEMPT = 0x06
+OP_MASKPOLL_BUSY = 0x07
+OP_LOADPDI = 0x08
+OP_LOAD_PM_START = 0x09
+OP_CREATE_SCRATCHPAD = 0x0A
+OP_UPDATE_STATE_TABLE = 0x0B
+OP_UPDATE_REG = 0x0C
+OP_UPDATE_SCRATCH = 0x0D
 OP_TCT = 0x80
 OP_DDR_PATCH = 0x81
-OP_CUSTOM_LAST = 0x84
+OP_READ_REGS = 0x82
+OP_RECORD_TIMER = 0x83
+OP_MERGE_SYNC = 0x84
+OP_CUSTOM_LAST = OP_MERGE_SYNC
 
 HEADER_WORDS = 4
 TXN_MAJOR, TXN_MINOR = 0, 1
@@ -41,7 +64,11 @@ SHIM_DMA_FIRST, SHIM_DMA_END = 0x1D000, 0x1D300
 # Shim DMA task queues (AIE-ML register map): S2MM 0/1 at 0x1D204/0x1D20C, MM2S 0/1 at 0x1D214/0x1D21C.
 TASK_QUEUES = {0x1D204: ("s2mm", 0), 0x1D20C: ("s2mm", 1), 0x1D214: ("mm2s", 0), 0x1D21C: ("mm2s", 1)}
 
-_FIXED_WORDS = {OP_WRITE32: 6, OP_MASKWRITE: 7, OP_MASKPOLL: 7}
+# Ops whose last word repeats their size in bytes.
+_FIXED_WORDS = {OP_WRITE32: 6, OP_MASKWRITE: 7, OP_MASKPOLL: 7, OP_MASKPOLL_BUSY: 7}
+# Ops with no size word: their length is their header struct's (aie-rt's XAie_*Hdr).
+_HEADER_ONLY_WORDS = {OP_NOOP: 1, OP_PREEMPT: 1, OP_LOADPDI: 4, OP_LOAD_PM_START: 2, OP_CREATE_SCRATCHPAD: 4,
+                      OP_UPDATE_STATE_TABLE: 2, OP_UPDATE_REG: 3, OP_UPDATE_SCRATCH: 1}
 _TILE_OFFSET_MASK = (1 << 20) - 1
 
 
@@ -76,6 +103,8 @@ class DdrPatch:
     arg_idx: int
     arg_plus: int
     length: int
+    col: int = 0            # the shim tile (partition-relative column) and BD the patch is for
+    bd: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +139,12 @@ class TxnProgram:
     patches: list[DdrPatch] = field(default_factory=list)
     pushes: list[QueuePush] = field(default_factory=list)
     syncs: list[Sync] = field(default_factory=list)
+    skipped: list[tuple[int, int]] = field(default_factory=list)   # (op index, opcode) walked, not modelled
+
+    def directions(self, patch: DdrPatch) -> set[str]:
+        """The DMA directions ("mm2s": the device reads the buffer, "s2mm": it writes it) the patched BD is started
+        on by task-queue pushes of this stream; empty when no push names it (a chained BD)."""
+        return {push.direction for push in self.pushes if (push.col, push.bd) == (patch.col, patch.bd)}
 
     @property
     def last_sync_index(self) -> int:
@@ -169,6 +204,11 @@ def _checked_header(data: bytes | memoryview, dev_gen: int) -> TxnHeader:
 def _op_words(words: memoryview, pos: int, index: int) -> int:
     """Length in words of the op at `pos`."""
     opcode = words[pos] & 0xFF
+    if opcode in _HEADER_ONLY_WORDS:
+        length = _HEADER_ONLY_WORDS[opcode]
+        if pos + length > len(words):
+            raise TxnError(f"opcode {opcode:#x} is truncated", index)
+        return length
     if opcode in _FIXED_WORDS:
         length = _FIXED_WORDS[opcode]
         size_pos = pos + length - 1
@@ -202,6 +242,10 @@ def _apply(program: TxnProgram, op: memoryview, index: int) -> None:
         program.patches.append(_patch(program, op, index))
     elif opcode == OP_TCT:
         program.syncs.append(_sync(op, index))
+    else:
+        if opcode in (OP_MASKPOLL, OP_MASKPOLL_BUSY):
+            _check_addr(program, op[2], index)
+        program.skipped.append((index, opcode))
 
 
 def _check_addr(program: TxnProgram, addr: int, index: int) -> None:
@@ -252,7 +296,7 @@ def _patch(program: TxnProgram, op: memoryview, index: int) -> DdrPatch:
     length_words = program.registers.get(reg_addr - 4)
     if length_words is None:
         raise TxnError(f"DDR_PATCH of shim BD {bd} before its length was written", index)
-    return DdrPatch(index, reg_addr, arg_idx, arg_plus, length_words * 4)
+    return DdrPatch(index, reg_addr, arg_idx, arg_plus, length_words * 4, col=reg_addr >> 25, bd=bd)
 
 
 def _sync(op: memoryview, index: int) -> Sync:

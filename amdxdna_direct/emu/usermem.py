@@ -74,6 +74,20 @@ def write(addr: int, data: bytes, what: str = "copy_to_user") -> None:
     _transfer(_libc.process_vm_writev, what, ctypes.addressof(buf), addr, len(data))
 
 
+PR_GET_NAME = 16
+TASK_COMM_LEN = 16
+_libc.prctl.restype = ctypes.c_int
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def process_name() -> bytes:
+    """The calling task's comm, as the kernel keeps it (at most TASK_COMM_LEN - 1 bytes; no file is read)."""
+    buf = ctypes.create_string_buffer(TASK_COMM_LEN)
+    if _libc.prctl(PR_GET_NAME, ctypes.addressof(buf), 0, 0, 0) != 0:
+        return b""
+    return buf.value
+
+
 def _check(result: int | None, what: str) -> int:
     if result is None or result == MAP_FAILED:
         err = ctypes.get_errno()
