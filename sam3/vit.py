@@ -237,6 +237,11 @@ class Vit:
         if not g.res_f32:
             x0 = round_bf16(x0)
         h = hostmath.layer_norm(x0, np.float32(1), np.float32(0), g.eps)
+        # The last forward's layers wrote v_qkv's A and residual 0 on the device after the host last synced them.
+        # A sync first makes the host's copy the device's, so the writes below are newer data even where they
+        # rewrite the same bytes (the emulator tells a host write from none only by a changed byte: docs/emulator.md).
+        self.qkv.a.sync()
+        self.xres[0].sync()
         self.qkv.set_a(h)
         push(x0.astype(np.float32) if g.res_f32 else to_bf16(x0), self.xres[0])
         qkv, o, fc1, fc2 = self.qkv, self.o, self.fc1, self.fc2

@@ -896,7 +896,8 @@ def requirement_name(line: str) -> str:
 
 
 def check_wheel_contents(archive: zipfile.ZipFile) -> None:
-    """Issue 2 item 1: name, dependencies, test extra, console script, every module and the headers inside."""
+    """Name, licence, dependencies (three for the runtime; the sam3 and test extras), both console scripts, every
+    module, the headers and the typing markers inside."""
     names = set(archive.namelist())
     for name in abi.HEADER_FILES:
         assert archive.read(f"amdxdna_direct/headers/{name}") == (HEADERS / name).read_bytes()
@@ -909,9 +910,20 @@ def check_wheel_contents(archive: zipfile.ZipFile) -> None:
     assert re.search(r"^Name: amdxdna-direct$", meta, flags=re.M)
     requires = re.findall(r"^Requires-Dist: (.+)$", meta, flags=re.M)
     assert sorted(requirement_name(r) for r in requires if "extra ==" not in r) == ["cffi", "ml-dtypes", "numpy"]
-    assert re.findall(r"^Provides-Extra: (.+)$", meta, flags=re.M) == ["test"]
-    assert sorted(requirement_name(r) for r in requires if "extra ==" in r) == ["hypothesis", "pytest"]
-    assert re.search(r"^amdxdna = amdxdna_direct\.cli:main$", archive.read(entry_points).decode(), flags=re.M)
+    assert re.findall(r"^Provides-Extra: (.+)$", meta, flags=re.M) == ["sam3", "test"]
+    extras = {}
+    for r in requires:
+        found = re.search(r"extra == \"(\w+)\"", r)
+        if found:
+            extras.setdefault(found.group(1), set()).add(requirement_name(r))
+    assert extras == {"sam3": {"pillow", "safetensors", "tokenizers"},
+                      "test": {"hypothesis", "pytest", "pillow", "safetensors", "tokenizers"}}
+    assert re.search(r"^License-Expression: Apache-2\.0$", meta, flags=re.M)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert {"amdxdna_direct/py.typed", "sam3/py.typed"} <= names
+    scripts = archive.read(entry_points).decode()
+    assert re.search(r"^amdxdna = amdxdna_direct\.cli:main$", scripts, flags=re.M)
+    assert re.search(r"^sam3 = sam3\.cli:main$", scripts, flags=re.M)
 
 
 def test_ci_runs_the_readme_test_command():
