@@ -374,3 +374,30 @@ def test_weights_are_uploaded_once(npu):
     first = npu.weights("v.0.qkv")
     assert npu.weights("v.0.qkv") is first
     assert first.size == len(npu.bundle.tensors.raw("v.0.qkv"))
+
+
+@pytest.mark.parametrize("skipped", ["weights", "A", "C"])
+def test_each_sync_of_a_stage_is_needed(npu, caplog, skipped):
+    """The emulator's memory is not coherent (docs/emulator.md): leave out any one of a GEMM stage's syncs and
+    the stage fails (an input the device never saw) or reads stale data (an output never synced back)."""
+    g = npu.spec("v_o")
+    b, bias, _ = test_weights(npu, "v_o", 9)
+    a = np.random.default_rng(10).standard_normal((g.m, g.k)).astype(np.float32)
+    packed = pack.pack_b(b, bias, g.tile_k, g.tile_n, g.ct_k)
+    w = npu.device.bo(packed.nbytes)
+    w.array(np.uint8)[:] = packed
+    if skipped != "weights":
+        w.sync()
+    io = npu.io("v_o", g.m)
+    io.a.array(np.uint16)[:a.size] = pack.to_bf16(a).ravel()
+    if skipped != "A":
+        io.a.sync()
+    if skipped in ("weights", "A"):
+        with pytest.raises(NpuError, match="v_o: chunk 0 of 1 failed"):
+            npu.run(io, w)
+        assert "written by the CPU after the last sync" in caplog.text
+        return
+    npu.run(io, w)
+    stale = pack.from_bf16(io.c.array(np.uint16, g.m * g.n).copy())
+    assert not stale.any()  # the device's result has not reached the CPU's pages
+    assert rel(pack.from_bf16(io.get_c(g.m)), oracle(a, b, bias, mode_of(npu.bundle, "v_o"))) < 1e-2
