@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -232,40 +231,29 @@ def test_xrt_design_with_a_txn_stream_runs(tmp_path, capsys):
     assert found[0].insts == bins / "validate.bin"
 
 
-def fake_bundle_module(designs: dict[str, tuple[Path, Path]]) -> types.ModuleType:
-    """A stand-in for the rewritten sam3.bundle: Bundle.open(dir), kernel_keys(), kernel(key)."""
-    module = types.ModuleType("sam3.bundle")
+@pytest.mark.parametrize("variant", ["host", "device-f32"])
+def test_a_generated_sam3_bundles_kernels_are_validated(tmp_path, capsys, variant):
+    """Every kernel of a SAM3 bundle in IRON's format runs, its model (what the manifest says it computes) bound
+    on the emulator; the buffers are sized from each stream's DMA extents."""
+    from sam3.build import build
+    from sam3.bundle import Bundle
 
-    class Bundle:
-        def __init__(self, directory: str) -> None:
-            self.directory = directory
-
-        @classmethod
-        def open(cls, directory: str) -> Bundle:
-            if not Path(directory).is_dir():
-                raise FileNotFoundError(2, "no such bundle", directory)
-            return cls(directory)
-
-        def kernel_keys(self) -> list[str]:
-            return sorted(designs)
-
-        def kernel(self, key: str) -> types.SimpleNamespace:
-            xclbin, stream = designs[key]
-            return types.SimpleNamespace(xclbin=xclbin, insts=stream, name="MLIR_AIE")
-
-    module.Bundle = Bundle
-    return module
-
-
-def test_bundle_kernels_are_validated_through_the_bundle_interface(tmp_path, capsys, monkeypatch):
-    designs = {"ops.copy_a": generated_design(tmp_path, 4, 512, "a"),
-               "ops.copy_b": generated_design(tmp_path, 4, 256, "b")}
-    monkeypatch.setitem(sys.modules, "sam3.bundle", fake_bundle_module(designs))
-    rc, doc = validate(["--device", "emu:npu4", "--bundle", str(tmp_path), "--model", "passthrough", *QUICK], capsys)
+    root = build(tmp_path / "b", "tiny", variant=variant)
+    with Bundle.open(root) as bundle:
+        keys = bundle.kernel_keys()
+        b_bytes = bundle.gemms["v_qkv"].b_bytes
+    rc, doc = validate(["--device", "emu:npu4", "--bundle", str(root), *QUICK], capsys)
     assert rc == 0
-    assert [(d["design"], d["status"], d["check"]) for d in doc["designs"]] == [
-        ("bundle ops.copy_a", "pass", "passed: bo1 == bo0 (512 bytes)"),
-        ("bundle ops.copy_b", "pass", "passed: bo1 == bo0 (256 bytes)")]
+    assert [d["design"] for d in doc["designs"]] == [f"bundle {k}" for k in keys]
+    assert {d["status"] for d in doc["designs"]} == {"pass"}
+    (qkv,) = [d for d in doc["designs"] if d["design"] == "bundle v_qkv"]
+    assert qkv["buffers"]["bo1"] == b_bytes
+    check_timings(qkv)
+
+
+def test_a_broken_bundle_is_skipped_with_the_reason(tmp_path, capsys):
+    assert main(["validate", "--device", "emu:npu4", "--bundle", str(tmp_path)]) == 2
+    assert f"--bundle {tmp_path}: skipped: the bundle cannot be opened: " in capsys.readouterr().err
 
 
 def test_bundle_interface_missing_is_skipped_with_a_clear_message(tmp_path, capsys, monkeypatch):

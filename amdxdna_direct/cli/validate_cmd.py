@@ -199,21 +199,23 @@ def _generation_hint(device: Any) -> str | None:
 
 def find_bundle_designs(directory: str, model: Any = None) -> tuple[list[Design], str]:
     """The kernels of the bundle in ``directory`` through ``sam3.bundle.Bundle.open`` / ``kernel_keys`` /
-    ``kernel``; ([], why) when that interface is not importable, ([], why) for a bundle it refuses."""
+    ``kernel``; ([], why) when that interface is not importable, ([], why) for a bundle it refuses.
+
+    Each kernel carries the model of what it computes (``sam3.kernels.model_for``: the bundle's manifest says
+    it), bound on the emulator so that the bundle's own streams run there; ``--model`` overrides it."""
     try:
+        from sam3 import kernels as sam3_kernels
         from sam3.bundle import Bundle
     except ImportError as exc:
         return [], f"--bundle {directory}: skipped: the sam3 package is not importable ({exc})"
-    if not (hasattr(Bundle, "open") and hasattr(Bundle, "kernel_keys")):
-        return [], (f"--bundle {directory}: skipped: this sam3.bundle.Bundle has no open()/kernel_keys() "
-                    "(the bundle interface validate uses)")
     try:
-        bundle = Bundle.open(directory)
-        kernels = [(key, bundle.kernel(key)) for key in bundle.kernel_keys()]
+        with Bundle.open(directory) as bundle:
+            kernels = [(key, bundle.kernel(key), sam3_kernels.model_for(bundle, key, bundle.insts_bytes(key)))
+                       for key in bundle.kernel_keys()]
     except (OSError, ValueError, KeyError) as exc:
         return [], f"--bundle {directory}: skipped: the bundle cannot be opened: {exc}"
-    return [Design(f"bundle {key}", k.xclbin, k.insts, k.name, isinstance(model, Passthrough), model)
-            for key, k in kernels], ""
+    return [Design(f"bundle {key}", k.xclbin, k.insts, k.name, isinstance(model, Passthrough), model or own)
+            for key, k, own in kernels], ""
 
 
 def read_ar(data: bytes) -> dict[str, bytes]:
