@@ -588,7 +588,7 @@ class _Checker:
         return ok, f"logit {got:.4f}, reference {want:.4f}: |diff| {how}"
 
     def mask_decoder(self) -> None:
-        m = self.sam.masks
+        m = self.sam.mask_decoder
         hidden, (feats, valid), enc = self.last_hidden(), self.prompt(), self.enc_out()
         levels = [self.level(i) for i in range(m.g.stages)]
         size, q = self.p.mask_size, self.p.queries

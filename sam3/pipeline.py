@@ -92,7 +92,25 @@ class Result:
     loads: int
     evictions: int
     decoded: decoder_mod.Decoded | None = None
-    masks: mask.Masks | None = None
+    mask_logits: mask.Masks | None = None
+
+    @property
+    def scores(self) -> np.ndarray:
+        """float32 `[n]`: each kept instance's score, in query order."""
+        return self.instances.scores
+
+    @property
+    def boxes(self) -> np.ndarray:
+        """float32 `[n, 4]`: xyxy boxes in image pixels (not clamped)."""
+        return self.instances.boxes
+
+    @property
+    def masks(self) -> np.ndarray:
+        """bool `[n, height, width]`: each instance's mask at the image's size."""
+        return self.instances.masks
+
+    def __len__(self) -> int:
+        return len(self.instances)
 
 
 class Sam3:
@@ -120,7 +138,8 @@ class Sam3:
             self.neck = neck.Neck(self.npu)
             self.encoder = detr.Encoder(self.npu)
             self.decoder = decoder_mod.Decoder(self.npu)
-            self.masks = mask.MaskDecoder(self.npu, convs=self.neck.convs, cross=(self.encoder.s, self.encoder.c))
+            self.mask_decoder = mask.MaskDecoder(self.npu, convs=self.neck.convs,
+                                                 cross=(self.encoder.s, self.encoder.c))
             self._side = ThreadPoolExecutor(1, thread_name_prefix="sam3-text")
         except BaseException:
             self.npu.close()
@@ -245,8 +264,8 @@ class Sam3:
         self.encoder.set_prompt(prompt.feats)
         enc = timed("detr_enc", self.encoder.forward, features.fpn[2], valid)
         dec = timed("detr_dec", self.decoder.forward, enc, prompt.feats, valid)
-        self.masks.set_prompt(prompt.feats)
-        out = timed("mask_dec", self.masks.forward, dec.hidden, features.fpn, enc, valid)
+        self.mask_decoder.set_prompt(prompt.feats)
+        out = timed("mask_dec", self.mask_decoder.forward, dec.hidden, features.fpn, enc, valid)
         h, w = features.rgb.shape[:2]
         found = timed("post", post.instances, dec.logits, dec.presence, dec.boxes, out.masks, w, h, threshold,
                       mask_threshold)

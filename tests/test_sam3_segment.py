@@ -57,8 +57,8 @@ def test_segment_agrees_with_the_float32_pipeline(root, image):
     h, w = rgb.shape[:2]
     assert found.masks.shape == (len(want), h, w)
     assert np.abs(found.boxes - dec.boxes * [w, h, w, h]).max() < 0.5  # boxes in pixels, within half a pixel
-    cos = float(np.dot(result.masks.masks.ravel(), masks.masks.ravel())
-                / (np.linalg.norm(result.masks.masks) * np.linalg.norm(masks.masks)))
+    cos = float(np.dot(result.mask_logits.masks.ravel(), masks.masks.ravel())
+                / (np.linalg.norm(result.mask_logits.masks) * np.linalg.norm(masks.masks)))
     assert cos > 0.995
 
 
@@ -152,3 +152,16 @@ def test_a_long_prompt_is_truncated_with_a_warning(root, image):
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith("sam3: warning: prompt ") and "truncated" in done.stderr
     assert len(done.stderr.splitlines()) == 1
+
+
+def test_the_python_api(root, image):
+    import sam3
+
+    path, rgb = image
+    with sam3.Sam3(root, device="emu") as sam:
+        found = sam.segment(path, "a cat", threshold=0.0)
+    assert len(found) == found.scores.shape[0] == found.boxes.shape[0] == found.masks.shape[0] > 0
+    assert found.masks.dtype == bool and found.masks.shape[1:] == rgb.shape[:2]
+    assert found.boxes.shape[1] == 4 and found.scores.dtype == np.float32
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        sam3.Nope  # noqa: B018
