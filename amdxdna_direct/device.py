@@ -11,6 +11,7 @@ import errno
 import glob
 import logging
 import os
+import signal
 import struct
 import threading
 import weakref
@@ -31,10 +32,10 @@ __all__ = [
     "open_device", "Device", "DriverVersion", "AieVersion", "TileMetadata", "AieMetadata", "Clock",
     "ClockMetadata", "FirmwareVersion", "HwContextEntry", "HWCTX_ENTRY_SIZE", "decode_hwctx_entries", "PowerMode",
     "ResourceInfo", "HeapChunk", "BoInfo", "DeviceFile", "CpuMapping", "DRIVER_NAME", "HEAP_CHUNK_SIZE",
-    "HEAP_MAX_SIZE", "PCI_GENERATIONS", "POWER_MODES", "TXN_DEV_GEN", "pci_generation",
+    "HEAP_MAX_SIZE", "PCI_GENERATIONS", "POWER_MODES", "TXN_DEV_GEN", "pci_generation", "uninterrupted",
 ]
 
-log = logging.getLogger("amdxdna_direct")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -291,6 +292,69 @@ class HeapChunk:
 
 
 # ---------------------------------------------------------------------------------------------
+# Ctrl-C while a resource is acquired or released (docs/runtime.md 5)
+
+# The C functions behind the ``signal`` module: its wrappers convert every answer to an enum, which costs
+# ten times the call itself on a path every buffer creation and close takes.
+_csignal: Any = getattr(signal, "_signal", signal)
+_MAIN_THREAD = threading.main_thread().ident
+
+
+class _Deferral:
+    """The one deferral in progress (only the main thread receives SIGINT): depth, replaced handler, signal."""
+
+    depth = 0
+    previous: Any = None
+    caught: tuple[int, Any] | None = None
+
+
+def _defer_sigint(signum: int, frame: Any) -> None:
+    _Deferral.caught = (signum, frame)
+
+
+class uninterrupted:  # noqa: N801 - used as ``with uninterrupted():``, like a function
+    """Defer SIGINT (Ctrl-C) until the block ends: a sequence of syscalls that acquires or releases a
+    resource (CREATE_BO + GET_BO_INFO + mmap, munmap + GEM_CLOSE, CREATE_HWCTX + CONFIG_CU ...) then runs
+    whole, and the KeyboardInterrupt is raised when it is done, by the handler that was installed
+    (docs/runtime.md 5). Nests; does nothing outside the main thread (which is where Python runs signal
+    handlers), or when SIGINT's handler was not installed from Python, or is ignored."""
+
+    __slots__ = ("_active",)
+
+    def __enter__(self) -> uninterrupted:
+        self._active = False
+        if threading.get_ident() != _MAIN_THREAD:
+            return self
+        if _Deferral.depth:
+            _Deferral.depth += 1
+            self._active = True
+            return self
+        previous = _csignal.getsignal(signal.SIGINT)
+        if previous is None or previous == signal.SIG_IGN:
+            return self
+        _csignal.signal(signal.SIGINT, _defer_sigint)
+        _Deferral.previous, _Deferral.caught, _Deferral.depth = previous, None, 1
+        self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._active:
+            return
+        _Deferral.depth -= 1
+        if _Deferral.depth:
+            return
+        previous, caught = _Deferral.previous, _Deferral.caught
+        _Deferral.previous = _Deferral.caught = None
+        _csignal.signal(signal.SIGINT, previous)
+        if caught is None:
+            return
+        if callable(previous):
+            previous(*caught)           # signal.default_int_handler raises KeyboardInterrupt here
+        else:                           # SIG_DFL: what the signal would have done
+            signal.raise_signal(signal.SIGINT)
+
+
+# ---------------------------------------------------------------------------------------------
 # the open file: what finalizers hold (never the Device itself, so a Device can be collected)
 
 
@@ -303,11 +367,12 @@ class _Resource:
         self._fn, self._args, self.alive = fn, args, True
 
     def __call__(self) -> None:
-        if self.alive:
-            self.alive = False
-            fn, args = self._fn, self._args
-            self._fn, self._args = None, ()
-            fn(*args)
+        with uninterrupted():       # a release runs whole; Ctrl-C is raised once it is done
+            if self.alive:
+                self.alive = False
+                fn, args = self._fn, self._args
+                self._fn, self._args = None, ()
+                fn(*args)
 
     def detach(self) -> None:
         """Forget the action without running it."""
@@ -358,6 +423,36 @@ class DeviceFile:
             return self.seam.ioctl(request, buf)
         except OSError as exc:
             raise self.error(name, fields, exc, hint) from exc
+
+    def ioctl_named(self, request: int, name: str, buf, fields: Mapping[str, Any] | None = None) -> int:
+        """``ioctl_buffer`` for a request whose short ``name`` the caller already knows (the dispatch path:
+        EXEC_CMD and the waits), without looking it up per call. Same errors."""
+        if self.lost is not None or self.closed:
+            self.check_open(name, fields)
+        with self.lock:
+            self.stats[name] += 1
+        try:
+            if trace.enabled():
+                return trace.TRACER.call(self.name, request, buf, self.seam.ioctl)
+            return self.seam.ioctl(request, buf)
+        except OSError as exc:
+            raise self.error(name, fields, exc) from exc
+
+    def confirm_lost(self, cause: BaseException) -> None:
+        """Raise (and latch) ``DeviceLostError`` if the device is gone, else return: a DRM VERSION ioctl, which
+        needs nothing but a live device, tells a removed device from a refusal or an aborted command
+        (docs/runtime.md 4.3).
+
+        Raises:
+            DeviceLostError: the device answered ENODEV (or was lost earlier), chained to ``cause``.
+        """
+        req = abi.ffi.new("struct drm_version *")
+        try:
+            self.ioctl(abi.DRM_IOCTL_VERSION, req)
+        except DeviceLostError as lost:
+            raise lost from cause
+        except XdnaError:
+            return
 
     def check_open(self, name: str, fields: Mapping[str, Any] | None = None) -> None:
         """Raise what an ioctl ``name`` would raise now on a lost or closed device, before any work.
@@ -412,6 +507,7 @@ class DeviceFile:
 
         Raises:
             XdnaError: the first release that failed (the rest still ran).
+            KeyboardInterrupt: a release was interrupted (the rest still ran, the seam was closed).
         """
         with self.lock:
             earlier = self._closing
@@ -422,6 +518,7 @@ class DeviceFile:
                 earlier[1].wait()
             return
         first: BaseException | None = None
+        interrupted: BaseException | None = None
         try:
             while True:
                 with self.lock:
@@ -433,6 +530,8 @@ class DeviceFile:
                         res()
                     except XdnaError as exc:
                         first = first or exc
+                    except BaseException as exc:  # noqa: BLE001 - a Ctrl-C: release the rest, then re-raise
+                        interrupted = interrupted or exc
             with self.lock:
                 self.closed = True
                 self._finish_pending = self._pins > 0
@@ -440,6 +539,8 @@ class DeviceFile:
                 self._finish()
         finally:
             closing[1].set()
+        if interrupted is not None:
+            raise interrupted
         if first is not None:
             raise first
 
@@ -517,12 +618,16 @@ class CpuMapping:
 
 def release_steps(*steps: Callable[[], Any]) -> None:
     """Run teardown steps in order; a lost device ends the ioctl steps quietly (closing the fd frees
-    everything in the driver, spec 1.10); any other failure is raised after all steps ran.
+    everything in the driver, spec 1.10); any other failure is raised after all steps ran. A
+    KeyboardInterrupt (or another non-``XdnaError`` exception) in a step does not skip the later ones
+    either: it is re-raised once they ran (docs/runtime.md 5).
 
     Raises:
         XdnaError: the first step that failed for another reason than a lost device.
+        KeyboardInterrupt: a step was interrupted (the steps after it still ran).
     """
     first: XdnaError | None = None
+    interrupted: BaseException | None = None
     for step in steps:
         try:
             step()
@@ -530,6 +635,10 @@ def release_steps(*steps: Callable[[], Any]) -> None:
             continue
         except XdnaError as exc:
             first = first or exc
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the remaining steps
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
     if first is not None:
         raise first
 
@@ -932,7 +1041,8 @@ class Device:
         """
         from .bo import Bo
 
-        return Bo(self, size, kind)
+        with uninterrupted():       # CREATE_BO + GET_BO_INFO + mmap + flush run whole (docs/runtime.md 5)
+            return Bo(self, size, kind)
 
     def import_bo(self, fd: int, size: int | None = None) -> Bo:
         """Import a dma-buf (``Bo.export`` of this or another device) as a SHMEM buffer of this device.
@@ -946,7 +1056,8 @@ class Device:
         """
         from .bo import Bo
 
-        return Bo.imported_from(self, fd, size)
+        with uninterrupted():
+            return Bo.imported_from(self, fd, size)
 
     def hw_context(self, xclbin: Any, kernel: str | None = None, priority: int | str | None = None) -> HwContext:
         """Create a hardware context for ``xclbin`` (CREATE_HWCTX + PDI DEV BOs + CONFIG_CU).
@@ -958,7 +1069,8 @@ class Device:
         from .hwctx import HwContext
 
         self.file.check_open("hw_context")
-        return HwContext(self, xclbin, kernel=kernel, priority=priority)
+        with uninterrupted():       # CREATE_HWCTX + PDI buffers + CONFIG_CU run whole (docs/runtime.md 5)
+            return HwContext(self, xclbin, kernel=kernel, priority=priority)
 
 
 def _power_mode_value(mode: int | str) -> int:
@@ -992,7 +1104,13 @@ def create_bo(file: DeviceFile, size: int, bo_type: int, type_name: str) -> int:
     req = abi.ffi.new("struct amdxdna_drm_create_bo *")
     req.size = size
     req.type = bo_type
-    file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_BO, req, {"type": type_name, "size": size})
+    try:
+        file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_BO, req, {"type": type_name, "size": size})
+    except BaseException:
+        # Interrupted (Ctrl-C) after the driver made the buffer: nobody will see its handle, close it here.
+        if req.handle:
+            release_steps(lambda: gem_close(file, req.handle))
+        raise
     return req.handle
 
 

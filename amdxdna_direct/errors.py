@@ -1,8 +1,10 @@
-"""The runtime's exception hierarchy and the one errno -> class table.
+"""The package's exception hierarchy and the one errno -> class table.
 
-Every error is an ``OSError`` (``XdnaError``) that keeps ``errno``; its message names the
-operation, the key fields and the errno name, e.g.
-``CREATE_HWCTX(num_tiles=16, max_opc=2048): ENODEV (No such device)``.
+``Error`` is the base of every error the package raises (``amdxdna_direct.Error``; sam3's errors derive
+from it too), with the builtin class callers already catch as a second base: device errors are
+``XdnaError(Error, OSError)`` and keep ``errno``, format errors (``XclbinError``, ``InstsError``) are
+``ValueError`` too (docs/runtime.md 4). A device error's message names the operation, the key fields
+and the errno name, e.g. ``CREATE_HWCTX(num_tiles=16, max_opc=2048): ENODEV (No such device)``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "Error",
     "XdnaError",
     "NoDeviceError",
     "PermissionDeniedError",
@@ -28,8 +31,16 @@ __all__ = [
 ]
 
 
-class XdnaError(OSError):
-    """Root of every runtime error; an ``OSError`` whose ``errno`` is the driver's answer.
+class Error(Exception):
+    """Base of every error of amdxdna-direct and sam3: ``except amdxdna_direct.Error`` catches them all.
+
+    Each subclass also derives from the builtin class it stands for (``OSError`` for device errors,
+    ``ValueError`` for malformed input), so code catching those keeps working.
+    """
+
+
+class XdnaError(Error, OSError):
+    """Root of every device error; an ``OSError`` whose ``errno`` is the driver's answer.
 
     ``str()`` is the full message (operation, fields, errno name), not OSError's ``[Errno n]`` form.
     """
@@ -61,26 +72,31 @@ class CommandError(XdnaError):
     """A submitted command ended in a state other than COMPLETED.
 
     Attributes: ``kernel`` (name), ``state`` (ERT state name), ``seq`` (submission number),
-    ``index`` (position in a run list, or None) and ``health`` (decoded context health record or None).
+    ``index`` (position in a run list, or None), ``health`` (decoded context health record or None) and
+    ``reason`` (why the firmware failed it, when known: on the emulator the emulated firmware's or the
+    kernel model's message; None otherwise). The message carries the state, the health record and the
+    reason too (docs/runtime.md 4).
     """
 
     def __init__(self, err: int, message: str, *, kernel: str | None = None, state: str | None = None,
-                 seq: int | None = None, index: int | None = None, health: Any = None) -> None:
+                 seq: int | None = None, index: int | None = None, health: Any = None,
+                 reason: str | None = None) -> None:
         super().__init__(err, message)
         self.kernel = kernel
         self.state = state
         self.seq = seq
         self.index = index
         self.health = health
+        self.reason = reason
 
     def __reduce__(self):
         return (_rebuild_command_error, (type(self), self.errno, self.message,
-                                         (self.kernel, self.state, self.seq, self.index, self.health)))
+                                         (self.kernel, self.state, self.seq, self.index, self.health, self.reason)))
 
 
 def _rebuild_command_error(cls, err, message, fields):
-    kernel, state, seq, index, health = fields
-    return cls(err, message, kernel=kernel, state=state, seq=seq, index=index, health=health)
+    kernel, state, seq, index, health, reason = fields
+    return cls(err, message, kernel=kernel, state=state, seq=seq, index=index, health=health, reason=reason)
 
 
 class CommandTimeout(CommandError, TimeoutError):

@@ -24,7 +24,7 @@ import numpy as np
 from . import abi
 from . import insts as insts_mod
 from .device import DeviceFile, release_quietly, release_steps
-from .errors import ContextUnavailableError, DeviceLostError, ioctl_error
+from .errors import ContextUnavailableError, ioctl_error
 
 if TYPE_CHECKING:
     from .bo import Bo
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["HwContext", "ComputeUnit", "Instructions", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin", "create_hwctx",
            "instruction_bytes", "release_context"]
 
-log = logging.getLogger("amdxdna_direct")
+log = logging.getLogger(__name__)
 
 # Out-of-tree drivers copy a 32-byte qos_info (adds user_start_col, reserved), upstream 24 bytes:
 # a 32-byte buffer works with both (spec amdxdna-uapi.md 12). user_start_col 0xFF = "not requested".
@@ -97,22 +97,15 @@ def create_hwctx(device: Device, num_tiles: int, max_opc: int, priority: int = 0
     # A context takes 4 x 32 KiB of heap for its command lists (spec 4.1): short heap, grow it.
     try:
         device.growing_heap(lambda: device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
-    except ContextUnavailableError as exc:
-        if exc.errno == errno.ENODEV:
-            _check_not_lost(device, exc)
+    except BaseException as exc:
+        if req.handle:      # made by the driver, but interrupted (Ctrl-C) before the caller got its handle
+            release_context(device.file, req.handle, req.syncobj_handle)
+        if isinstance(exc, ContextUnavailableError) and exc.errno == errno.ENODEV:
+            # ENODEV is both "no free columns" and a removed device (spec amdxdna-uapi.md 4.0, 4.1 step 8):
+            # a lost device is reported (and latched) as one, not as a full device to retry.
+            device.file.confirm_lost(exc)
         raise
     return req.handle, req.syncobj_handle
-
-
-def _check_not_lost(device: Device, refusal: ContextUnavailableError) -> None:
-    """CREATE_HWCTX answers ENODEV both for "no free columns" and for a removed device (spec
-    amdxdna-uapi.md 4.0, 4.1 step 8): a VERSION ioctl, which needs nothing but a live device, tells them
-    apart, so that a lost device is reported (and latched) as one and not as a full device to retry."""
-    req = abi.ffi.new("struct drm_version *")
-    try:
-        device.file.ioctl(abi.DRM_IOCTL_VERSION, req)
-    except DeviceLostError as lost:
-        raise lost from refusal
 
 
 def _select_kernels(xclbin: Any, kernel: str | None) -> list[tuple[Any, bytes]]:
@@ -169,13 +162,18 @@ class HwContext:
 
         Raises:
             ValueError: the xclbin has no usable kernel, or a bad priority.
-            XclbinError: the named kernel or its PDI is not in the xclbin.
+            XclbinError: the named kernel or its PDI is not in the xclbin, or a kernel's arguments do not fit
+                a command packet (refused before any allocation).
             ContextUnavailableError: CREATE_HWCTX answered ENODEV / EINVAL / EBUSY (device full).
             XdnaError: another step failed; everything created so far is released.
         """
+        from .kernel import check_regmap
+
         self.device = device
         self.xclbin = as_xclbin(xclbin)
         chosen = _select_kernels(self.xclbin, kernel)
+        for chosen_kernel, _ in chosen:     # sizes checked before anything is allocated (docs/runtime.md 1.4)
+            check_regmap(chosen_kernel)
         self.priority = _priority_value(priority)
         device.ensure_heap()  # XRT creates the heap first; the driver needs it mapped before CREATE_HWCTX (1.2)
         metadata = device.aie_metadata()
@@ -183,6 +181,7 @@ class HwContext:
         self.num_tiles = self.column_width * metadata.core.row_count
         self.max_opc = int(self.xclbin.partition.ops_per_cycle)
         self._lock = threading.Lock()
+        self._claims = threading.Lock()     # who holds each run's packet: a start alone, or a RunList
         self._insts: dict[str, Instructions] = {}      # by sha256 of the current bytes
         self._uploads: list[Instructions] = []           # every upload, closed with the context
         self._kernels: dict[str, Kernel] = {}
@@ -190,16 +189,18 @@ class HwContext:
         self._closed = False
         self._release = None
         self.cus: list[ComputeUnit] = []
-        self.handle, self.syncobj = create_hwctx(device, self.num_tiles, self.max_opc, self.priority)
+        self.handle = self.syncobj = 0
         try:
+            self.handle, self.syncobj = create_hwctx(device, self.num_tiles, self.max_opc, self.priority)
             self._configure(chosen)
+            # Registered after the PDI buffers so that device close (newest first) destroys the context
+            # before its PDIs.
+            self._release = device.file.register(release_context, device.file, self.handle, self.syncobj,
+                                                 [cu.pdi for cu in self.cus])
         except BaseException:
-            release_context(device.file, self.handle, self.syncobj, [cu.pdi for cu in self.cus])
+            if self._release is None and self.handle:
+                release_context(device.file, self.handle, self.syncobj, [cu.pdi for cu in self.cus])
             raise
-        # Registered after the PDI buffers so that device close (newest first) destroys the context
-        # before its PDIs.
-        self._release = device.file.register(release_context, device.file, self.handle, self.syncobj,
-                                             [cu.pdi for cu in self.cus])
         self._finalizer = weakref.finalize(self, release_quietly, self._release, "hardware context")
 
     # -- bring-up ------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ class HwContext:
             parsed = parsed if parsed is not None else insts_mod.decode(data)
             check_generation(parsed, self.device.txn_dev_gen, self.device.generation)
             _warn_raw_ops(parsed, digest)
-            prepared = Instructions(self, data, digest)
+            prepared = Instructions(self, data, digest, _extents(parsed))
             self._insts[digest] = prepared
             self._uploads.append(prepared)
             return prepared
@@ -335,8 +336,10 @@ class HwContext:
         self._closed = True
         steps = [run.close for run in list(self._runs)]
         steps += [prepared.bo.close for prepared in self._uploads]
-        self._finalizer.detach()
-        release_steps(*steps, self._release)
+        try:
+            release_steps(*steps, self._release)    # every step runs, a Ctrl-C in one included
+        finally:
+            self._finalizer.detach()
 
 
 def instruction_bytes(stream: Any) -> tuple[bytes, insts_mod.Stream | None]:
@@ -405,11 +408,12 @@ class Instructions:
     """An instruction stream uploaded to a DEV buffer of one context: the prepared stream of its runs.
 
     Attributes: ``bo`` (the DEV buffer; its xdna_addr goes into the packets), ``nwords`` (the regmap's
-    ninstr, in words), ``digest`` (sha256 of the current bytes). Every run prepared from the same bytes
-    in the context shares it, so ``set_words`` changes the stream of all of them.
+    ninstr, in words), ``digest`` (sha256 of the current bytes), ``extents`` (per buffer argument, how far
+    the stream's DMA reaches: ``kernel.stream_extents``). Every run prepared from the same bytes in the
+    context shares it, so ``set_words`` changes the stream of all of them.
     """
 
-    def __init__(self, ctx: HwContext, data: bytes, digest: str) -> None:
+    def __init__(self, ctx: HwContext, data: bytes, digest: str, extents: dict[int, Any] | None = None) -> None:
         """Allocate the DEV buffer, copy the bytes in and flush them for the device.
 
         Raises:
@@ -418,6 +422,7 @@ class Instructions:
         self.ctx = ctx
         self.nwords = len(data) // 4
         self.digest = digest
+        self.extents = extents if extents is not None else {}
         self.bo = ctx.device.bo(len(data), "dev")
         try:
             self.bo.write(data)
@@ -448,6 +453,7 @@ class Instructions:
             TypeError: ``words`` is not a sequence of (int, int) pairs.
             ValueError: an index outside words 4..nwords-1, or a value that is not a u32.
             InstsError: the rewritten stream would be malformed.
+            ValueError: the rewritten stream's DMA would reach past a buffer of a run of it (nothing is written).
             RuntimeError: a run of this stream is in flight (wait for it first).
             XdnaError: the buffer (or its context) is closed, or SYNC_BO failed.
         """
@@ -459,6 +465,7 @@ class Instructions:
             runs = [run for run in list(ctx._runs) if getattr(run, "insts", None) is self]
             for run in runs:
                 held.enter_context(run._lock)
+            held.enter_context(ctx._claims)
             busy = [run for run in runs if run._in_flight or run._claimed_by is not None]
             if busy:
                 raise RuntimeError(f"set_insts_words: {len(busy)} run(s) of this instruction stream are in flight: "
@@ -468,12 +475,27 @@ class Instructions:
             view = self.bo.array(np.dtype("<u4"))
             new = view.copy()
             new[index] = values
-            insts_mod.decode(new.tobytes())
+            extents = _extents(insts_mod.decode(new.tobytes()))
+            for run in runs:        # a rewritten BD length must still fit every run's buffers (docs/runtime.md 1.4)
+                _check_extents(run.kernel, extents, run.npu_buffers)
             view[index] = values
             lo, hi = int(index.min()), int(index.max()) + 1
             self.bo.sync(4 * lo, 4 * (hi - lo))
             old, self.digest = self.digest, hashlib.sha256(new.tobytes()).hexdigest()
+            self.extents = extents
             ctx._rekey(self, old)
+
+
+def _extents(stream: insts_mod.Stream) -> dict[int, Any]:
+    from .kernel import stream_extents
+
+    return stream_extents(stream)
+
+
+def _check_extents(kernel: Any, extents: dict[int, Any], buffers: Sequence[Any]) -> None:
+    from .kernel import _check_extents as check
+
+    check(kernel, extents, buffers)
 
 
 def _word_pairs(words: Any, nwords: int) -> tuple[np.ndarray, np.ndarray]:

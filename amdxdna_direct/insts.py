@@ -1,7 +1,8 @@
 """NPU instruction streams: the aie-rt transaction ("TXN") format that mlir-aie writes as ``insts.bin``.
 
-Pure functions over bytes and word lists; the only I/O is reading a file handed to :func:`load`.
-Format facts: ``spec/xrt-npu-sequence.md`` section 2.3 and aie-rt ``driver/src/global/xaie_txn.h``
+Pure functions over bytes and word lists; the only I/O is reading a file handed to :func:`load`, through
+:mod:`amdxdna_direct.files` (a regular file within the instruction-stream size limit, docs/files.md).
+Format facts: ``docs/xrt-sequence.md`` section 2.3 and aie-rt ``driver/src/global/xaie_txn.h``
 (``XAie_TxnHeader``, the v0.1 structs ``XAie_Write32Hdr``/``XAie_MaskWrite32Hdr``/``XAie_BlockWrite32Hdr``/
 ``XAie_CustomOpHdr`` + ``patch_op_t``, and the v1.0 "optimized" structs ``XAie_*Hdr_opt`` + ``patch_op_opt_t``
 that 2024 mlir-aie builds emitted with header major 1, minor 0).
@@ -15,10 +16,16 @@ refuses raw ops instead.
 
 from __future__ import annotations
 
+import array
 import os
 import struct
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
+
+from .errors import Error
+from .files import read_file
 
 __all__ = [
     "VERSION_2024", "VERSION_CURRENT", "OP_NAMES", "BlockWrite", "DdrPatch", "InstsError", "MaskWrite", "Op", "RawOp",
@@ -26,9 +33,11 @@ __all__ = [
 ]
 
 U32_MAX = 0xFFFF_FFFF
+# The array type code of an unsigned 32-bit item on this platform.
+_U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
-# (major, minor) of the two encodings aie-rt defines (xaie_txn.h; spec 2.3).
+# (major, minor) of the two encodings aie-rt defines (xaie_txn.h; docs/xrt-sequence.md 2.3).
 VERSION_CURRENT = (0, 1)
 VERSION_2024 = (1, 0)
 
@@ -65,14 +74,14 @@ _LENGTH_UNKNOWN = frozenset({200})   # LOAD_PM_END_INTERNAL: aie-rt internal, no
 
 HEADER_WORDS = 4
 
-# Fixed op lengths in 32-bit words per version (v0.1: spec 2.3; v1.0: the *_opt structs).
+# Fixed op lengths in 32-bit words per version (v0.1: docs/xrt-sequence.md 2.3; v1.0: the *_opt structs).
 _WRITE32_WORDS = {VERSION_CURRENT: 6, VERSION_2024: 3}
 _MASKWRITE_WORDS = {VERSION_CURRENT: 7, VERSION_2024: 4}
 _BLOCKWRITE_HEADER_WORDS = {VERSION_CURRENT: 4, VERSION_2024: 3}
 _DDR_PATCH_WORDS = {VERSION_CURRENT: 12, VERSION_2024: 6}
 _SYNC_WORDS = 4
 
-# Shim tile registers used by dma_stream, mirrored from the mlir-aie fixtures (spec 2.3 worked example):
+# Shim tile registers used by dma_stream, mirrored from the mlir-aie fixtures (docs/xrt-sequence.md 2.3 worked example):
 # shim DMA buffer descriptor i at 0x1D000 + 0x20*i (8 words, word 0 = length in words, word 1 = address low),
 # channel control / start-queue registers S2MM0 0x1D200/0x1D204, S2MM1 0x1D208/0x1D20C,
 # MM2S0 0x1D210/0x1D214, MM2S1 0x1D218/0x1D21C.
@@ -90,7 +99,7 @@ _CTRL_MASK = 0x1F00
 _BD_BURST = {3: 0x8000_0000, 4: 0xC000_0000}
 _BD_AXCACHE = 0x0200_0000
 _BD_VALID = 0x0200_0000
-# Tile address = col << 25 | row << 20 | offset (spec 2.3); row 2 is the first core tile.
+# Tile address = col << 25 | row << 20 | offset (docs/xrt-sequence.md 2.3); row 2 is the first core tile.
 COL_SHIFT = 25
 ROW_SHIFT = 20
 CORE_ROW = 2
@@ -102,7 +111,7 @@ DIRECTION_S2MM = 0
 DIRECTION_MM2S = 1
 
 
-class InstsError(ValueError):
+class InstsError(Error, ValueError):
     """A malformed instruction stream; the message names the word index."""
 
 
@@ -232,14 +241,15 @@ class Stream:
 # --------------------------------------------------------------------------------------------- loading
 
 
-def load(data: bytes | str | os.PathLike, strict: bool = False) -> Stream:
+def load(data: bytes | str | os.PathLike[str], strict: bool = False) -> Stream:
     """Load an instruction stream from bytes or a file, ``.bin`` (LE u32 words) or ``.txt`` (hex word per line).
 
-    The format is detected from the content (spec 2.3): a binary TXN stream starts with the byte of the
+    The format is detected from the content (docs/xrt-sequence.md 2.3): a binary TXN stream starts with the byte of the
     major version (0 or 1), which is never an ASCII hex digit or whitespace.
 
     Raises:
         InstsError: the content is neither format, or the stream is malformed.
+        FileRefused: the path is not a regular file or is over the size limit of its kind (docs/files.md).
         OSError: the file cannot be read.
         TypeError: ``data`` is neither bytes nor a path.
     """
@@ -254,38 +264,42 @@ def stream_bytes(raw: bytes) -> bytes:
         InstsError: a text line is not a 32-bit hex word.
     """
     if _looks_like_text(raw):
-        words = _text_words(raw)
-        return struct.pack(f"<{len(words)}I", *words)
+        words = array.array(_U32_CODE, _text_words(raw))
+        if sys.byteorder == "big":
+            words.byteswap()
+        return words.tobytes()
     return bytes(raw)
 
 
-def read_input(data: bytes | str | os.PathLike, operation: str) -> bytes:
-    """The bytes of ``data``: a bytes-like object as is, or the content of the file it names.
+def read_input(data: bytes | str | os.PathLike[str], operation: str, kind: str = "insts") -> bytes:
+    """The bytes of ``data``: a bytes-like object as is, or the content of the file it names, read by
+    :func:`amdxdna_direct.files.read_file` as a file of ``kind`` (a regular file within that kind's size
+    limit, docs/files.md).
 
     Shared by the two file-format parsers (this module's :func:`load`, :func:`amdxdna_direct.xclbin.parse`).
 
     Raises:
-        OSError: the file cannot be read.
+        FileRefused: the file is not a regular file or is over the size limit of ``kind``.
+        OSError: the file cannot be opened or read.
         TypeError: ``data`` is neither bytes nor a path (the message starts with ``operation``).
     """
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
     if isinstance(data, (str, os.PathLike)):
-        with open(data, "rb") as f:
-            return f.read()
+        return read_file(data, kind)
     raise TypeError(f"{operation}: expected bytes or a path, got {type(data).__name__}")
 
 
-_TEXT_BYTES = frozenset(b"0123456789abcdefABCDEFxX \t\r\n")
+_TEXT_BYTES = b"0123456789abcdefABCDEFxX \t\r\n"
 
 
 def _looks_like_text(raw: bytes) -> bool:
-    return bool(raw.strip()) and all(b in _TEXT_BYTES for b in raw)
+    return bool(raw.strip()) and not raw.translate(None, _TEXT_BYTES)
 
 
 def _text_words(raw: bytes) -> list[int]:
     """Parse one hex word per line (mlir-aie prints ``%08X``); blank lines are ignored."""
-    words = []
+    words: list[int] = []
     for line_no, line in enumerate(raw.decode("ascii").splitlines(), start=1):
         text = line.strip()
         if not text:
@@ -341,12 +355,17 @@ def raw_ops(stream: Stream) -> list[tuple[int, RawOp]]:
     return [(start, op) for start, op in zip(layout(stream), stream.ops, strict=True) if isinstance(op, RawOp)]
 
 
-def _as_words(words: bytes | bytearray | memoryview | Sequence[int]) -> list[int]:
+def _as_words(words: bytes | bytearray | memoryview | Sequence[int]) -> Sequence[int]:
     if isinstance(words, (bytes, bytearray, memoryview)):
-        raw = bytes(words)
+        raw = memoryview(words).cast("B")
         if len(raw) % 4:
             raise InstsError(f"word {len(raw) // 4}: stream length {len(raw)} bytes is not a multiple of 4")
-        return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+        # An array of u32 holds the stream in its own size; a list of ints would take ~9 times it (docs/files.md 5).
+        packed = array.array(_U32_CODE)
+        packed.frombytes(raw)
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed
     out = [int(x) for x in words]
     for i, x in enumerate(out):
         if not 0 <= x <= U32_MAX:
@@ -354,7 +373,7 @@ def _as_words(words: bytes | bytearray | memoryview | Sequence[int]) -> list[int
     return out
 
 
-def _decode_header(w: list[int]) -> dict[str, int]:
+def _decode_header(w: Sequence[int]) -> dict[str, int]:
     """XAie_TxnHeader: u8 Major, Minor, DevGen, NumRows, NumCols, NumMemTileRows, u16 pad, u32 NumOps, TxnSize."""
     major, minor, dev_gen, rows = w[0] & 0xFF, (w[0] >> 8) & 0xFF, (w[0] >> 16) & 0xFF, w[0] >> 24
     if (major, minor) not in (VERSION_CURRENT, VERSION_2024):
@@ -363,15 +382,19 @@ def _decode_header(w: list[int]) -> dict[str, int]:
             "cols": w[1] & 0xFF, "mem_tile_rows": (w[1] >> 8) & 0xFF, "pad": w[1] >> 16}
 
 
-def _op_words(w: list[int], i: int, version: tuple[int, int]) -> int | None:
+def _op_words(w: Sequence[int], i: int, version: tuple[int, int]) -> int | None:
     """Length in words of the op at word ``i`` (docs/runtime.md 1.1), None when the runtime does not know it.
 
     Raises:
-        InstsError: the op's size word is past the end, not a multiple of 4, or smaller than the op up to it.
+        InstsError: the op (of fixed length, or by its size word) runs past the end; its size word is past the
+            end, not a multiple of 4, or smaller than the op up to it.
     """
     opcode = w[i] & 0xFF
     fixed = _FIXED_LENGTH[version].get(opcode)
     if fixed is not None:
+        if i + fixed > len(w):
+            raise InstsError(f"word {i}: {OP_NAMES.get(opcode, f'op 0x{opcode:02x}')} of {4 * fixed} bytes runs past "
+                             f"the end of the stream ({4 * (len(w) - i)} bytes left)")
         return fixed
     at = _SIZE_WORD[version].get(opcode)
     if at is None and opcode >= OP_CUSTOM_FIRST and opcode not in _LENGTH_UNKNOWN:
@@ -390,20 +413,27 @@ def _op_words(w: list[int], i: int, version: tuple[int, int]) -> int | None:
     return size // 4
 
 
-class _Bounded:
+class _Bounded(Sequence[int]):
     """The words of a stream seen only up to ``end`` (an op's last word + 1), without copying them.
 
     The decoders check every read against ``len`` first (``_take``), so indexing needs no check of its own."""
 
     __slots__ = ("words", "end")
 
-    def __init__(self, words: list[int], end: int) -> None:
+    def __init__(self, words: Sequence[int], end: int) -> None:
         self.words, self.end = words, end
 
     def __len__(self) -> int:
         return self.end
 
-    def __getitem__(self, key):
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.words[:self.end])
+
+    @overload
+    def __getitem__(self, key: int) -> int: ...
+    @overload
+    def __getitem__(self, key: slice) -> Sequence[int]: ...
+    def __getitem__(self, key: int | slice) -> int | Sequence[int]:
         return self.words[key]
 
 
@@ -428,7 +458,7 @@ def _decode_op(w: _Bounded, i: int, version: tuple[int, int], strict: bool) -> O
         return RawOp(opcode, tuple(w[i:len(w)]), str(exc))
 
 
-def _unsized(w: list[int], i: int, strict: bool) -> RawOp:
+def _unsized(w: Sequence[int], i: int, strict: bool) -> RawOp:
     opcode = w[i] & 0xFF
     name = OP_NAMES.get(opcode, f"0x{opcode:02x}")
     reason = f"word {i}: opcode 0x{opcode:02x} ({name}) has no length the runtime knows; the op count is not checked"
@@ -437,24 +467,24 @@ def _unsized(w: list[int], i: int, strict: bool) -> RawOp:
     return RawOp(opcode, tuple(w[i:]), reason, sized=False)
 
 
-def _take(w: list[int], i: int, n: int, name: str) -> list[int]:
+def _take(w: Sequence[int], i: int, n: int, name: str) -> Sequence[int]:
     if i + n > len(w):
         raise InstsError(f"word {i}: {name} needs {n} words, only {len(w) - i} left")
     return w[i:i + n]
 
 
-def _zero(w: list[int], i: int, positions: Sequence[int], name: str) -> None:
+def _zero(w: Sequence[int], i: int, positions: Sequence[int], name: str) -> None:
     for p in positions:
         if w[i + p]:
             raise InstsError(f"word {i + p}: {name} reserved word {p} is 0x{w[i + p]:08x}, expected 0")
 
 
-def _size_field(w: list[int], i: int, at: int, expected: int, name: str) -> None:
+def _size_field(w: Sequence[int], i: int, at: int, expected: int, name: str) -> None:
     if w[i + at] != expected:
         raise InstsError(f"word {i + at}: {name} size field {w[i + at]} bytes, expected {expected}")
 
 
-def _decode_write32(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+def _decode_write32(w: Sequence[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
     n = _WRITE32_WORDS[version]
     f = _take(w, i, n, "WRITE32")
     if version == VERSION_2024:
@@ -465,7 +495,7 @@ def _decode_write32(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op,
     return Write32(addr=f[2] | f[3] << 32, value=f[4]), i + n
 
 
-def _decode_maskwrite(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+def _decode_maskwrite(w: Sequence[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
     n = _MASKWRITE_WORDS[version]
     f = _take(w, i, n, "MASKWRITE")
     if version == VERSION_2024:
@@ -476,7 +506,7 @@ def _decode_maskwrite(w: list[int], i: int, version: tuple[int, int]) -> tuple[O
     return MaskWrite(addr=f[2] | f[3] << 32, value=f[4], mask=f[5]), i + n
 
 
-def _decode_blockwrite(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+def _decode_blockwrite(w: Sequence[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
     head = _BLOCKWRITE_HEADER_WORDS[version]
     f = _take(w, i, head, "BLOCKWRITE header")
     if version == VERSION_2024:
@@ -491,7 +521,7 @@ def _decode_blockwrite(w: list[int], i: int, version: tuple[int, int]) -> tuple[
     return BlockWrite(addr=addr, words=tuple(data)), i + size // 4
 
 
-def _decode_sync(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+def _decode_sync(w: Sequence[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
     # XAie_CustomOpHdr(_opt) {op, u32 Size} + tct_op_t {u32 word, u32 config}; same in both versions.
     f = _take(w, i, _SYNC_WORDS, "SYNC")
     _size_field(w, i, 1, 4 * _SYNC_WORDS, "SYNC")
@@ -503,7 +533,7 @@ def _decode_sync(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, in
     return op, i + _SYNC_WORDS
 
 
-def _decode_ddr_patch(w: list[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
+def _decode_ddr_patch(w: Sequence[int], i: int, version: tuple[int, int]) -> tuple[Op, int]:
     n = _DDR_PATCH_WORDS[version]
     f = _take(w, i, n, "DDR_PATCH")
     _size_field(w, i, 1, 4 * n, "DDR_PATCH")
@@ -551,12 +581,12 @@ def encode_words(stream: Stream) -> list[int]:
             raise InstsError(f"encode: header {name} {getattr(stream, name)} does not fit a byte")
     if not 0 <= stream.pad <= 0xFFFF:
         raise InstsError(f"encode: header pad {stream.pad} does not fit 16 bits")
-    last = len(stream.ops) - 1
-    if stream.unwalked_ops and not (stream.ops and isinstance(stream.ops[last], RawOp) and not stream.ops[last].sized):
+    final = stream.ops[-1] if stream.ops else None
+    if stream.unwalked_ops and not (isinstance(final, RawOp) and not final.sized):
         raise InstsError(f"encode: unwalked_ops={stream.unwalked_ops} needs a final RawOp of unknown length")
     body: list[int] = []
     for n, op in enumerate(stream.ops):
-        if isinstance(op, RawOp) and not op.sized and n != last:
+        if isinstance(op, RawOp) and not op.sized and n != len(stream.ops) - 1:
             raise InstsError(f"encode: op {n} is a RawOp of unknown length; only the last op may be")
         body.extend(_encode_op(op, version, n))
     head = [stream.major | stream.minor << 8 | stream.dev_gen << 16 | stream.rows << 24,
@@ -672,7 +702,7 @@ def dma_stream(dev_gen: int, buffers: Sequence[tuple[int, int, str]], *, rtp: Se
                column: int = 0) -> Stream:
     """Build the TXN stream of a design that moves ``buffers`` through the shim DMA of one column.
 
-    Mirrors the field order and encodings of the mlir-aie fixtures (spec 2.3): optional runtime
+    Mirrors the field order and encodings of the mlir-aie fixtures (docs/xrt-sequence.md 2.3): optional runtime
     parameters ``rtp`` written with a BLOCKWRITE to core tile (column, row 2) data memory offset 0;
     then for buffer i: a BLOCKWRITE of shim BD i (word 0 = length in words), a DDR_PATCH of the BD's
     address word with the buffer's ``arg_idx``, and a push of BD i on the next MM2S ("in") or S2MM ("out")

@@ -12,27 +12,35 @@ import errno
 import math
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from . import abi, cmd
+from . import insts as insts_mod
 from .bo import Bo, unhold
-from .errors import CommandError, CommandTimeout, XdnaError, errno_text, ioctl_error
+from .device import release_steps
+from .errors import CommandError, CommandTimeout, DeviceLostError, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
     from .hwctx import ComputeUnit, HwContext, Instructions
 
-__all__ = ["Kernel", "Run", "RunList", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVER", "NPU_OPCODE_TXN"]
+__all__ = ["Kernel", "Run", "RunList", "BufferExtent", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVER", "MAX_REGMAP_BYTES",
+           "NPU_OPCODE_TXN", "check_regmap", "stream_extents"]
 
 CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
+#: The largest regmap an ERT_START_CU packet carries in one command buffer: the buffer less the header and the
+#: CU mask word (docs/runtime.md 1.4); the 11-bit count allows more, the buffer does not.
+MAX_REGMAP_BYTES = CMD_BO_SIZE - 8
 NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
 #: Seconds a wait lasts unless told otherwise: the proven path's bound (docs/runtime.md 3.4).
 DEFAULT_TIMEOUT = 10.0
 #: The timeout that waits without bound (``wait(timeout=FOREVER)``); only the driver's TDR ends such a wait.
 FOREVER = math.inf
 _INT64_MAX = (1 << 63) - 1
+_TILE_OFFSET_MASK = (1 << 20) - 1     # a tile's register offset within its address (docs/runtime.md 1.4)
 _U32_MAX = (1 << 32) - 1
 _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
                   cmd.ERT_CMD_STATE_TIMEOUT: errno.ETIME, cmd.ERT_CMD_STATE_NORESPONSE: errno.EIO}
@@ -49,6 +57,9 @@ def _check_timeout(timeout: float | None) -> float | None:
     """
     if timeout is None:
         return DEFAULT_TIMEOUT
+    kind = type(timeout)
+    if (kind is float or kind is int) and timeout >= 0:     # the common case, without the checks below
+        return None if timeout == math.inf else float(timeout)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
             or not timeout >= 0:
         raise ValueError(f"timeout must be a number of seconds >= 0, FOREVER (math.inf) or None (the default, "
@@ -122,19 +133,124 @@ class Kernel:
         DEV buffer once per context (cached by digest; ``HwContext.instructions``, docs/runtime.md 1).
         ``buffers`` fill bo0, bo1, ... in order. ``run.insts`` is the uploaded stream.
 
+        A buffer smaller than what the stream's DMA reads or writes through it is refused (its extent, from
+        the stream's buffer descriptors: ``stream_extents``, docs/runtime.md 1.4).
+
         Raises:
             InstsError: the stream's header is malformed or names another device generation.
             TypeError: ``buffers`` is not a sequence.
-            ValueError: more buffers than the kernel declares.
+            ValueError: more buffers than the kernel declares, or a buffer smaller than the stream's DMA reaches
+                (names the argument, both sizes and the DDR_PATCH op).
             XdnaError: upload or allocation failed.
         """
         if isinstance(buffers, (Bo, str, bytes)) or not isinstance(buffers, Sequence):
             raise TypeError(f"{self.name}: prepare_npu buffers must be a sequence of Bo or None, "
                             f"got {type(buffers).__name__}")
         prepared = self.ctx.instructions(insts)
+        _check_extents(self, prepared.extents, buffers)
         run = self.prepare(NPU_OPCODE_TXN, prepared.bo, prepared.nwords, *buffers)
         run.insts = prepared
+        run.npu_buffers = tuple(buffers)
         return run
+
+
+def check_regmap(kernel: Any) -> None:
+    """Refuse an xclbin kernel whose arguments do not fit one command packet, before anything is allocated
+    (the regmap is laid out from the metadata's offsets and sizes, docs/runtime.md 1.4).
+
+    Raises:
+        XclbinError: an argument ends past ``MAX_REGMAP_BYTES``; names the kernel, the argument, its offset
+            and size, and the limit.
+    """
+    size = kernel.regmap_size
+    if size <= MAX_REGMAP_BYTES:
+        return
+    from .xclbin import XclbinError
+
+    worst = max(kernel.args, key=lambda a: a.offset + a.size)
+    raise XclbinError(f"kernel {kernel.name}: argument {worst.index} ({worst.name}) at offset {worst.offset:#x} of "
+                      f"{worst.size} bytes ends at byte {worst.offset + worst.size}, but a regmap must fit the "
+                      f"{CMD_BO_SIZE}-byte command packet ({MAX_REGMAP_BYTES} bytes after its header and CU mask)")
+
+
+class BufferExtent(NamedTuple):
+    """How far an instruction stream's DMA reaches into one buffer argument (docs/runtime.md 1.4).
+
+    ``nbytes`` (= ``arg_plus + length``) is what the buffer must hold, from the DDR_PATCH that reaches
+    furthest: ``op_index`` (its position among the stream's ops) at word ``word``, patching the address of
+    shim buffer descriptor ``bd`` of column ``column`` whose length word says ``length`` bytes.
+    """
+
+    arg_idx: int
+    nbytes: int
+    op_index: int
+    word: int
+    bd: int
+    column: int
+    length: int
+    arg_plus: int
+
+
+def stream_extents(stream: insts_mod.Stream) -> dict[int, BufferExtent]:
+    """Per buffer argument (DDR_PATCH ``arg_idx``), how many bytes the stream's DMA reads or writes through it.
+
+    A DDR_PATCH writes ``buffer address + arg_plus`` into a shim BD's address word (``reg_addr``); the BD's
+    length (word 0, in 32-bit words, at ``reg_addr - 4``) is the last value the stream wrote there before the
+    patch, by WRITE32, MASKWRITE or BLOCKWRITE, as the firmware sees it. A patch of a BD whose length the
+    stream never wrote is left out (the firmware refuses such a stream; nothing to compare a buffer with).
+    One pass over the ops; a BLOCKWRITE is compared with the few length words patched, not walked.
+
+    Raises:
+        InstsError: the stream's version is unknown (its op layout cannot be computed).
+    """
+    patches = [op for op in stream.ops if isinstance(op, insts_mod.DdrPatch)]
+    if not patches:
+        return {}
+    wanted = {op.reg_addr - 4 for op in patches}
+    starts = insts_mod.layout(stream)
+    lengths: dict[int, int] = {}
+    out: dict[int, BufferExtent] = {}
+    for index, op in enumerate(stream.ops):
+        if isinstance(op, insts_mod.Write32):
+            if op.addr in wanted:
+                lengths[op.addr] = op.value & _U32_MAX
+        elif isinstance(op, insts_mod.MaskWrite):
+            if op.addr in wanted:
+                lengths[op.addr] = ((lengths.get(op.addr, 0) & ~op.mask) | (op.value & op.mask)) & _U32_MAX
+        elif isinstance(op, insts_mod.BlockWrite):
+            end = op.addr + 4 * len(op.words)
+            for addr in wanted:
+                if op.addr <= addr < end and not (addr - op.addr) % 4:
+                    lengths[addr] = op.words[(addr - op.addr) // 4] & _U32_MAX
+        elif isinstance(op, insts_mod.DdrPatch):
+            words = lengths.get(op.reg_addr - 4)
+            if words is None:
+                continue
+            bd = ((op.reg_addr & _TILE_OFFSET_MASK) - insts_mod.SHIM_BD_BASE) // insts_mod.SHIM_BD_STRIDE
+            extent = BufferExtent(op.arg_idx, op.arg_plus + 4 * words, index, starts[index], bd,
+                                  op.reg_addr >> insts_mod.COL_SHIFT, 4 * words, op.arg_plus)
+            if op.arg_idx not in out or extent.nbytes > out[op.arg_idx].nbytes:
+                out[op.arg_idx] = extent
+    return out
+
+
+def _check_extents(kernel: Kernel, extents: dict[int, BufferExtent], buffers: Sequence[Bo | None]) -> None:
+    """Refuse a buffer smaller than what the stream's DMA moves through it (docs/runtime.md 1.4).
+
+    Raises:
+        ValueError: names the argument, both sizes and the stream op.
+    """
+    for k, bo in enumerate(buffers):
+        extent = extents.get(k)
+        if bo is None or extent is None or bo.size >= extent.nbytes:
+            continue
+        slot = 3 + k        # opcode, instr, ninstr, then bo0.. (docs/design.md 2)
+        decl = kernel.args[slot] if slot < len(kernel.args) else None
+        named = f"argument {decl.index} ({decl.name})" if decl is not None else f"buffer slot {k}"
+        raise ValueError(f"{kernel.name}: bo{k} ({named}) is a {bo.size}-byte buffer, but the instruction stream's "
+                         f"DDR_PATCH (op {extent.op_index}, word {extent.word}) points shim BD {extent.bd} of column "
+                         f"{extent.column} at it for {extent.length} bytes at offset {extent.arg_plus}: its DMA "
+                         f"reaches {extent.nbytes} bytes (a larger buffer, or a stream for this size)")
 
 
 def _arg_field(kernel: str, device: Any, decl: Any, value: Any) -> tuple[tuple[int, int, int], Bo | None]:
@@ -163,6 +279,54 @@ def _arg_field(kernel: str, device: Any, decl: Any, value: Any) -> tuple[tuple[i
                      f"global arguments can be set")
 
 
+class _Pin:
+    """Keeps command packets mapped for the life of the run or run list that reads and writes them.
+
+    One ``Bo.hold`` per packet when the unit is prepared, instead of one per ``start`` and ``wait``
+    (docs/runtime.md 5): a close of the packet (its own, its context's or its device's) meanwhile defers
+    the munmap until ``release``. ``release`` takes the unit's lock, so it waits for a ``start`` or the
+    state check of a ``wait`` in progress; ``closed`` is then the one flag those read. Holds no
+    reference to its unit, so that the unit can be collected (its finalizer releases the pin).
+    """
+
+    __slots__ = ("lock", "mappings", "closed")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self.mappings: tuple = ()
+        self.closed = False
+
+    def hold(self, bos: Iterable[Bo], what: str) -> None:
+        """Hold every buffer of ``bos`` (released together by ``release``).
+
+        Raises:
+            XdnaError: a buffer is closed (what was held so far is released).
+        """
+        held: list = []
+        try:
+            for bo in bos:
+                held.extend(bo.hold(what))
+        finally:
+            self.mappings = tuple(held)
+
+    def release(self) -> None:
+        """Drop the holds (idempotent); the last holder of a closed packet runs its munmap."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            mappings, self.mappings = self.mappings, ()
+        unhold(mappings)
+
+
+def _pinned(owner: object, pin: _Pin, file: Any) -> Any:
+    """Release ``pin`` when ``owner`` is closed, collected, or its device file closes (the release the file
+    runs, newest first, before the packets' own); returns the idempotent release action."""
+    release = file.register(pin.release)
+    weakref.finalize(owner, release)
+    return release
+
+
 class Run:
     """One prepared kernel invocation with its own reusable command buffer.
 
@@ -178,21 +342,28 @@ class Run:
         self.buffers = tuple(bos)  # keeps the argument buffers alive while the run exists
         self._regmap = bytes(regmap)
         self._lock = threading.Lock()
+        self._pin = _Pin(self._lock)
+        self._unpin: Any = None
         self.packet = ctx.device.bo(CMD_BO_SIZE, "cmd")
         try:
             self._view = self.packet.owner_view()
+            self._head = self._view.cast("I")       # the header word, for the state nibble
             self.words = cmd.payload_words(len(self._regmap))
             self._encode()
             # A sub-buffer carries its parent's handle, so the parent is listed once (spec 1.5).
             self.handles = _dedup(bo.handle for bo in bos)
+            self._bos = tuple(dict.fromkeys(bos))   # checked for closed-ness at every start
             self._exec = _Exec(ctx, self.packet.handle, self.handles)
             self._wait = _Waiter(ctx)
+            self._pin.hold((self.packet,), "prepare")
+            self._unpin = _pinned(self, self._pin, ctx.device.file)
         except BaseException:
-            self.packet.close()
+            release_steps(self._pin.release, self.packet.close)
             raise
         self.seq: int | None = None
         self.elapsed: float | None = None
         self.insts: Instructions | None = None     # set by prepare_npu
+        self.npu_buffers: tuple[Bo | None, ...] = ()  # the buffers given to prepare_npu, bo0 first
         self._t0 = 0.0
         self._clobbered = False
         self._in_flight = False
@@ -204,8 +375,13 @@ class Run:
         cmd.encode_start_cu(self._view, self.kernel.cu_index, self._regmap)
 
     def __repr__(self) -> str:
-        state = "closed" if self.packet.closed else cmd.state_name(self.state)
+        state = "closed" if self._pin.closed or self.packet.closed else cmd.state_name(cmd.read_state(self._view))
         return f"<Run {self.kernel.name} seq={self.seq} state={state}>"
+
+    @property
+    def closed(self) -> bool:
+        """True once the run, its context or its device was closed."""
+        return self._pin.closed or self.packet.closed
 
     def check_open(self, what: str) -> None:
         """Raise if the packet buffer was released (its mapping is gone: touching it would fault).
@@ -213,7 +389,7 @@ class Run:
         Raises:
             XdnaError: EBADF naming ``what`` and the packet's handle.
         """
-        if self.packet.closed:
+        if self._pin.closed or self.packet.closed:
             raise ioctl_error(what, {"cmd_handles": self.packet.handle}, errno.EBADF, "run is closed")
 
     def check_buffers(self, what: str) -> None:
@@ -227,6 +403,26 @@ class Run:
                 raise ioctl_error(what, {"cmd_handles": self.packet.handle, "arg_handle": bo.handle}, errno.EBADF,
                                   f"an argument buffer of this {self.kernel.name} run is closed")
 
+    def _refuse_closed(self, what: str) -> None:
+        """The checks behind the cheap flags of ``start``: raise for what is closed.
+
+        Raises:
+            XdnaError: EBADF for a closed context, run or argument buffer.
+        """
+        self.ctx.check_open(what)
+        self.check_open(what)
+        self.check_buffers(what)
+
+    def _stale(self) -> bool:
+        # One flag per object, read once (docs/runtime.md 5): the pin is released by every close of the
+        # run, its context and its device; a buffer closed on its own (or with its parent) sets _closed.
+        if self._pin.closed or self.ctx._closed:
+            return True
+        for bo in self._bos:
+            if bo._closed:
+                return True
+        return False
+
     @property
     def state(self) -> int:
         """The packet's current ERT state (``cmd.ERT_CMD_STATE_*``).
@@ -234,20 +430,9 @@ class Run:
         Raises:
             XdnaError: the run is closed.
         """
-        held = self._hold("state")
-        try:
-            return cmd.read_state(self._view)
-        finally:
-            unhold(held)
-
-    def _hold(self, what: str) -> tuple:
-        # The packet is read and written through its mapping: keep it mapped while another thread
-        # may close the run, its context or the device.
-        try:
-            return self.packet.hold(what)
-        except XdnaError:
-            self.check_open(what)
-            raise
+        with self._lock:
+            self.check_open("state")
+            return self._head[0] & 0xF
 
     @property
     def state_name(self) -> str:
@@ -260,33 +445,39 @@ class Run:
             self._encode()
             self._clobbered = False
         else:
-            cmd.write_state(self._view, cmd.ERT_CMD_STATE_NEW)
+            head = self._head
+            head[0] = (head[0] & ~0xF) | cmd.ERT_CMD_STATE_NEW
 
     def start(self) -> Run:
         """Submit with EXEC_CMD (no allocation: the packet and the ioctl structs are reused).
 
         Raises:
-            XdnaError: EXEC_CMD failed (names hwctx, the command handle and arg count), or the run or
-                its context is closed.
+            XdnaError: EXEC_CMD failed (names hwctx, the command handle and arg count), or the run, its
+                context or an argument buffer is closed.
             RuntimeError: the previous submission (alone or in a ``RunList``) was not waited for.
         """
-        self.ctx.check_open("EXEC_CMD")
-        self.check_open("EXEC_CMD")
-        self.check_buffers("EXEC_CMD")
         with self._lock:
-            if self._in_flight:
-                raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
-            if self._claimed_by is not None:
-                raise RuntimeError(f"Run of {self.kernel.name} is in flight in a RunList: wait() for the list first")
-            held = self._hold("EXEC_CMD")
+            if self._stale():
+                self._refuse_closed("EXEC_CMD")
+            with self.ctx._claims:
+                if self._in_flight:
+                    raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
+                if self._claimed_by is not None:
+                    raise RuntimeError(f"Run of {self.kernel.name} is in flight in a RunList: wait() for the list "
+                                       f"first")
+                self._in_flight = True      # claimed: no RunList takes this packet from here on
+            self.restore()
+            self._unsubmitted = True        # until EXEC_CMD takes it: the packet now says NEW, not the last outcome
             try:
-                self.restore()
-                self._unsubmitted = True    # until EXEC_CMD takes it: the packet now says NEW, not the last outcome
                 self.seq = self._exec.submit()
-                self._unsubmitted = False
-            finally:
-                unhold(held)
-            self._in_flight = True
+            except BaseException:
+                seq = self._exec.landed()
+                if seq is None:
+                    self._in_flight = False
+                else:                       # interrupted after the driver took it: wait() collects it
+                    self.seq, self._unsubmitted, self._t0 = seq, False, time.perf_counter()
+                raise
+            self._unsubmitted = False
             self._t0 = time.perf_counter()
             self.elapsed = None
         return self
@@ -306,30 +497,38 @@ class Run:
         Raises:
             CommandTimeout: the wait expired (``state`` is the live one) or the driver's TDR marked the
                 command TIMEOUT (with the health record when the driver left one).
-            CommandError: any other final state (ERROR, ABORT, or NEW for a malformed command).
+            CommandError: any other final state (ERROR, ABORT, or NEW for a malformed command), with the
+                firmware's reason when known (docs/runtime.md 4.2).
+            DeviceLostError: the device was lost while the command ran (docs/runtime.md 4.3).
             RuntimeError: the run was never started, or its last ``start`` failed.
             XdnaError: the wait ioctl failed, or the run is closed.
         """
-        self.check_open("wait")
         with self._lock:
-            if self.seq is None:
+            if self._pin.closed or self.packet._closed:
+                self.check_open("wait")
+            seq = self.seq
+            if seq is None:
                 raise RuntimeError(f"Run of {self.kernel.name} was never started")
             if self._unsubmitted:
                 raise RuntimeError(f"Run of {self.kernel.name} is not submitted: its last start() failed")
-            if self._in_flight:
-                self._wait.wait(self.seq, timeout, self.kernel.name)
+            flying = self._in_flight
+        if flying:      # outside the lock: a close from another thread does not wait for the device
+            self._wait.wait(seq, timeout, self.kernel.name)
+        with self._lock:
+            if self._pin.closed or self.packet._closed:
+                self.check_open("wait")
+            if self.seq != seq:
+                raise RuntimeError(f"Run of {self.kernel.name} was restarted (seq={self.seq}) while this wait for "
+                                   f"seq={seq} ran")
+            if flying and self._in_flight:
                 self._in_flight = False
                 self.elapsed = time.perf_counter() - self._t0
-            held = self._hold("wait")
-            try:
-                state = cmd.read_state(self._view)
-                if state == cmd.ERT_CMD_STATE_COMPLETED:
-                    return state
-                self._clobbered = state in _CLOBBERED
-                raise _command_error(self.kernel.name, state, self.seq, self.ctx.handle, self._view,
-                                     emulated=self.ctx.device.emulator is not None)
-            finally:
-                unhold(held)
+            state = self._head[0] & 0xF
+            if state == cmd.ERT_CMD_STATE_COMPLETED:
+                return state
+            self._clobbered = state in _CLOBBERED
+            error = _command_error(self.kernel.name, state, seq, self.ctx, self._view)
+        raise _classified(error, self.ctx)
 
     def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
@@ -343,7 +542,8 @@ class Run:
 
         Raises:
             RuntimeError: the run was not prepared by ``prepare_npu``, or a run of the stream is in flight.
-            TypeError, ValueError: malformed pairs, an index outside the stream's words 4.., a value not a u32.
+            TypeError, ValueError: malformed pairs, an index outside the stream's words 4.., a value not a u32,
+                or a rewritten buffer descriptor that a run's buffer is too small for.
             InstsError: the rewritten stream would be malformed (nothing is written).
             XdnaError: the run or its context is closed, or SYNC_BO failed.
         """
@@ -354,8 +554,8 @@ class Run:
         self.insts.set_words(words)
 
     def close(self) -> None:
-        """Release the packet buffer (idempotent)."""
-        self.packet.close()
+        """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread."""
+        release_steps(self._unpin or self._pin.release, self.packet.close)
 
     def __enter__(self) -> Run:
         return self
@@ -364,12 +564,25 @@ class Run:
         self.close()
 
 
+def _classified(error: CommandError, ctx: HwContext) -> XdnaError:
+    """``error``, or the ``DeviceLostError`` behind it: an ABORT is what a lost device leaves on every command it
+    had, so the device is asked (docs/runtime.md 4.3)."""
+    if error.state == "ABORT":
+        try:
+            ctx.device.file.confirm_lost(error)
+        except DeviceLostError as lost:
+            return DeviceLostError(errno.ENODEV, f"{error.message}; the device was lost: {lost}")
+    return error
+
+
 class _Waiter:
     """A preallocated SYNCOBJ_TIMELINE_WAIT (or WAIT_CMD) request, reused by every wait of its owner."""
 
     def __init__(self, ctx: HwContext) -> None:
         ffi = abi.ffi
         self.ctx = ctx
+        self.file = ctx.device.file
+        self.lock = threading.Lock()     # one wait at a time uses the request
         if ctx.syncobj:
             self.handles = ffi.new("uint32_t[1]", [ctx.syncobj])
             self.points = ffi.new("uint64_t[1]")
@@ -378,9 +591,13 @@ class _Waiter:
             self.req.points = abi.address_of(self.points)
             self.req.count_handles = 1
             self.req.flags = abi.DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT
+            self.request, self.name = abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, "SYNCOBJ_TIMELINE_WAIT"
+            self.fields: dict[str, Any] = {"handle": ctx.syncobj, "point": 0, "timeout": DEFAULT_TIMEOUT}
         else:
             self.req = ffi.new("struct amdxdna_drm_wait_cmd *")
             self.req.hwctx = ctx.handle
+            self.request, self.name = abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, "WAIT_CMD"
+            self.fields = {"hwctx": ctx.handle, "seq": 0, "timeout_ms": 0}
         self.buf = ffi.buffer(self.req)
 
     def wait(self, seq: int, timeout: float | None, what: str) -> None:
@@ -390,30 +607,33 @@ class _Waiter:
             CommandTimeout: the deadline passed first (ETIME); ``state`` is RUNNING.
             XdnaError: EBADF when the context was closed during the wait; the wait ioctl failed otherwise.
         """
-        ctx, file = self.ctx, self.ctx.device.file
+        ctx, fields = self.ctx, self.fields
         shown = DEFAULT_TIMEOUT if timeout is None else timeout      # as the caller put it, in messages
         timeout = _check_timeout(timeout)
-        try:
-            if ctx.syncobj:
-                self.points[0] = seq
-                self.req.timeout_nsec = _monotonic_deadline_ns(timeout)
-                file.ioctl_buffer(abi.DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT, self.buf,
-                                  {"handle": ctx.syncobj, "point": seq,
-                                   "timeout": "forever" if timeout is None else shown})
-            else:
-                self.req.seq = seq
-                self.req.timeout = _wait_cmd_ms(timeout)
-                file.ioctl_buffer(abi.DRM_IOCTL_AMDXDNA_WAIT_CMD, self.buf,
-                                  {"hwctx": ctx.handle, "seq": seq, "timeout_ms": self.req.timeout})
-        except XdnaError as exc:
-            if ctx.closed:      # closed by another thread meanwhile: the syncobj went first (spec 1.10)
-                raise ioctl_error("wait", {"hwctx": ctx.handle, "seq": seq}, errno.EBADF,
-                                  f"context closed while {what} waited ({exc})") from exc
-            if exc.errno == errno.ETIME:
-                raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
-                                                  f"{shown} s: {exc}", kernel=what, state="RUNNING",
-                                     seq=seq) from exc
-            raise
+        with self.lock:
+            try:
+                if ctx.syncobj:
+                    self.points[0] = seq
+                    self.req.timeout_nsec = _monotonic_deadline_ns(timeout)
+                    fields["point"] = seq
+                    fields["timeout"] = "forever" if timeout is None else shown
+                else:
+                    self.req.seq = seq
+                    self.req.timeout = fields["timeout_ms"] = _wait_cmd_ms(timeout)
+                    fields["seq"] = seq
+                self.file.ioctl_named(self.request, self.name, self.buf, fields)
+            except XdnaError as exc:
+                if ctx.closed:      # closed by another thread meanwhile: the syncobj went first (spec 1.10)
+                    raise ioctl_error("wait", {"hwctx": ctx.handle, "seq": seq}, errno.EBADF,
+                                      f"context closed while {what} waited ({exc})") from exc
+                if exc.errno == errno.ETIME:
+                    raise CommandTimeout(errno.ETIME, f"{what} (hwctx={ctx.handle}, seq={seq}): not finished after "
+                                                      f"{shown} s: {exc}", kernel=what, state="RUNNING",
+                                         seq=seq) from exc
+                raise
+
+
+_NO_SEQ = (1 << 64) - 1     # in EXEC_CMD's seq until the driver answers: tells "taken" from "not taken"
 
 
 class _Exec:
@@ -439,29 +659,48 @@ class _Exec:
         Raises:
             XdnaError: the driver refused (the message names hwctx, cmd_handles and arg_count).
         """
-        self.file.ioctl_buffer(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, self.buf, self.fields)
-        return self.req.seq
+        req = self.req
+        req.seq = _NO_SEQ
+        self.file.ioctl_named(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, "EXEC_CMD", self.buf, self.fields)
+        return req.seq
+
+    def landed(self) -> int | None:
+        """After ``submit`` raised: the seq the driver answered when it took the command before the exception
+        (a KeyboardInterrupt once the ioctl returned), else None."""
+        seq = self.req.seq
+        return None if seq == _NO_SEQ else seq
 
 
-_EMULATOR_NOTE = "the emulated firmware logged why (logger amdxdna_direct.emu, level ERROR)"
+def _emulator_reason(ctx: HwContext, seq: int) -> str | None:
+    """Why the emulated firmware failed submission ``seq`` of ``ctx`` (its own message, the kernel model's
+    included), or None on real hardware or when the emulator kept nothing (docs/runtime.md 4). Asked of the
+    fd's seam when it answers (context handles are per fd), else of the emulated device."""
+    emulator = ctx.device.emulator
+    if emulator is None:
+        return None
+    lookup = getattr(ctx.device.file.seam, "command_reason", None)
+    if lookup is not None:
+        return lookup(ctx.handle, seq)
+    return emulator.command_reason(ctx.handle, seq)
 
 
-def _command_error(kernel: str, state: int, seq: int, hwctx: int, packet, index: int | None = None,
-                   health_packet=None, emulated: bool = False) -> CommandError:
+def _command_error(kernel: str, state: int, seq: int, ctx: HwContext, packet, index: int | None = None,
+                   health_packet=None) -> CommandError:
     name = cmd.state_name(state)
     err = _FAILED_STATES.get(state, errno.EINVAL)
     health = cmd.decode_health(health_packet if health_packet is not None else packet) \
         if state == cmd.ERT_CMD_STATE_TIMEOUT else None
+    reason = _emulator_reason(ctx, seq)
     where = f", index={index}" if index is not None else ""
     detail = "the driver rejected the packet (state left NEW)" if state == cmd.ERT_CMD_STATE_NEW else errno_text(err)
-    message = f"{kernel} (hwctx={hwctx}, seq={seq}{where}): command {name}: {detail}"
+    message = f"{kernel} (hwctx={ctx.handle}, seq={seq}{where}): command {name}: {detail}"
     if health is not None:
         message += (f"; health: txn_op_idx={health.txn_op_idx} ctx_pc={health.ctx_pc:#x} "
                     f"fatal_error_type={health.fatal_error_type:#x}")
-    if emulated and state == cmd.ERT_CMD_STATE_ERROR:
-        message += f"; {_EMULATOR_NOTE}"
+    if reason:
+        message += f"; emulated firmware: {reason}"
     cls = CommandTimeout if state == cmd.ERT_CMD_STATE_TIMEOUT else CommandError
-    return cls(err, message, kernel=kernel, state=name, seq=seq, index=index, health=health)
+    return cls(err, message, kernel=kernel, state=name, seq=seq, index=index, health=health, reason=reason)
 
 
 class _Chain:
@@ -473,6 +712,7 @@ class _Chain:
         self.bo = ctx.device.bo(CMD_BO_SIZE, "cmd")
         try:
             self.view = self.bo.owner_view()
+            self.head = self.view.cast("I")
             self.handles = [run.packet.handle for run in runs]
             cmd.encode_chain(self.view, self.handles)
             # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (spec 6.5).
@@ -491,7 +731,8 @@ class _Chain:
             cmd.encode_chain(self.view, self.handles)
             self.failed = False
         else:
-            cmd.write_state(self.view, cmd.ERT_CMD_STATE_NEW)
+            head = self.head
+            head[0] = (head[0] & ~0xF) | cmd.ERT_CMD_STATE_NEW
         for run in self.runs:
             run.restore()
 
@@ -526,11 +767,19 @@ class RunList:
         self.chains: list[_Chain] = []
         self.states: list[int] = [cmd.ERT_CMD_STATE_NEW] * len(runs)
         self._lock = threading.Lock()
+        self._pin = _Pin(self._lock)
+        self._unpin: Any = None
         self._wait = _Waiter(ctx)
         self._in_flight = False
+        self._submission = 0
+        # Checked for closed-ness at every start: each buffer once, however many runs share it.
+        self._bos = tuple(dict.fromkeys(bo for run in runs for bo in run._bos))
         try:
             for first, group in _split(runs):
                 self.chains.append(_Chain(ctx, group, first))
+            # The runs' packets too: a run closed meanwhile keeps its packet mapped until the list lets go.
+            self._pin.hold([chain.bo for chain in self.chains] + [run.packet for run in runs], "RunList")
+            self._unpin = _pinned(self, self._pin, ctx.device.file)
         except BaseException:
             self.close()
             raise
@@ -542,36 +791,57 @@ class RunList:
     def __repr__(self) -> str:
         return f"<RunList runs={len(self.runs)} chains={len(self.chains)}>"
 
+    @property
+    def closed(self) -> bool:
+        """True once the list, its context or its device was closed."""
+        return self._pin.closed
+
+    def _stale(self) -> bool:
+        # The cheap flags of Run._stale, for every run and buffer of the list once.
+        if self._pin.closed or self.ctx._closed:
+            return True
+        for run in self.runs:
+            if run._pin.closed:
+                return True
+        for bo in self._bos:
+            if bo._closed:
+                return True
+        return False
+
     def start(self) -> RunList:
         """Submit every chain packet (one EXEC_CMD each).
 
         Raises:
             XdnaError: EXEC_CMD failed (the chains submitted before it still run: ``wait`` drains
-                them) or the context is closed.
+                them), or the list, its context, one of its runs or an argument buffer is closed.
             RuntimeError: the list, or one of its runs (alone or in another list), is still in flight
                 (``wait`` first).
         """
-        self.ctx.check_open("EXEC_CMD")
-        self._check_open("EXEC_CMD")
         with self._lock:
+            if self._stale():
+                self.ctx.check_open("EXEC_CMD")
+                self._check_open("EXEC_CMD")
             if self._in_flight:
                 raise RuntimeError(f"RunList of {len(self.runs)} runs is still in flight: wait() first")
-            held = self._hold("EXEC_CMD")
-            try:
-                self._claim_runs()
-                self._submit()
-            finally:
-                unhold(held)
+            self._claim_runs()
+            self._submit()
         return self
 
     def _submit(self) -> None:
+        self._submission += 1
         try:
             for chain in self.chains:
                 chain.reset()
                 chain.seq = None
             self.states = [cmd.ERT_CMD_STATE_NEW] * len(self.runs)
             for chain in self.chains:
-                chain.seq = chain.exec.submit()
+                try:
+                    chain.seq = chain.exec.submit()
+                except BaseException:
+                    chain.seq = chain.exec.landed()     # taken before an interrupt: wait() drains it
+                    if chain.seq is not None:
+                        self._in_flight = True
+                    raise
                 self._in_flight = True
         except BaseException:
             if not self._in_flight:
@@ -580,26 +850,22 @@ class RunList:
 
     def _claim_runs(self) -> None:
         # One CMD BO cannot be in two submissions: the driver writes each one's outcome into it, and a
-        # restart rewrites the state the other is about to report. Runs are claimed while the list flies.
-        claimed = []
-        try:
+        # restart rewrites the state the other is about to report. Runs are claimed while the list flies,
+        # all under the context's claim lock (Run.start takes it to mark a run in flight).
+        with self.ctx._claims:
             for i, run in enumerate(self.runs):
-                with run._lock:
-                    if run._in_flight or run._claimed_by is not None:
-                        where = "on its own" if run._in_flight else "in another RunList"
-                        raise RuntimeError(f"RunList entry {i} ({run.kernel.name}) is still in flight {where}: "
-                                           f"wait() for it first")
-                    run._claimed_by = self
-                claimed.append(run)
-        except RuntimeError:
-            for run in claimed:
-                run._claimed_by = None
-            raise
+                if run._in_flight or run._claimed_by is not None:
+                    where = "on its own" if run._in_flight else "in another RunList"
+                    raise RuntimeError(f"RunList entry {i} ({run.kernel.name}) is still in flight {where}: "
+                                       f"wait() for it first")
+            for run in self.runs:
+                run._claimed_by = self
 
     def _release_runs(self) -> None:
-        for run in self.runs:
-            if run._claimed_by is self:
-                run._claimed_by = None
+        with self.ctx._claims:
+            for run in self.runs:
+                if run._claimed_by is self:
+                    run._claimed_by = None
 
     def wait(self, timeout: float | None = DEFAULT_TIMEOUT) -> list[int]:
         """Wait once for the last chain submitted, then check every submitted chain; returns the
@@ -607,47 +873,42 @@ class RunList:
 
         Raises:
             CommandError: a chain failed; ``index`` is the failing run's position in this list
-                (runs before it COMPLETED, after it ABORT, as XRT reports).
+                (runs before it COMPLETED, after it ABORT, as XRT reports), with the firmware's reason
+                when known (docs/runtime.md 4.2).
             CommandTimeout: the wait expired or the failing run TIMEOUT.
+            DeviceLostError: the device was lost while the chains ran (docs/runtime.md 4.3).
             RuntimeError: not started.
             XdnaError: the wait ioctl failed, or the list or one of its runs is closed.
         """
-        self._check_open("wait")
         with self._lock:
+            if self._stale():
+                self._check_open("wait")
             submitted = [chain for chain in self.chains if chain.seq is not None]
             if not submitted:
                 raise RuntimeError("RunList was never started")
-            what = f"RunList of {len(self.runs)} runs"
-            if self._in_flight:
-                # Timeline points signal in order: the last chain's point covers the earlier ones.
-                # WAIT_CMD waits for one seq only, so without a syncobj every chain is waited for.
-                for chain in (submitted[-1:] if self.ctx.syncobj else submitted):
-                    self._wait.wait(chain.seq, timeout, what)
+            flying, submission = self._in_flight, self._submission
+        what = f"RunList of {len(self.runs)} runs"
+        if flying:
+            # Timeline points signal in order: the last chain's point covers the earlier ones.
+            # WAIT_CMD waits for one seq only, so without a syncobj every chain is waited for.
+            for chain in (submitted[-1:] if self.ctx.syncobj else submitted):
+                self._wait.wait(chain.seq, timeout, what)
+        with self._lock:
+            if self._stale():
+                self._check_open("wait")
+            if self._submission != submission:
+                raise RuntimeError(f"{what} was restarted while this wait ran")
+            if flying and self._in_flight:
                 self._in_flight = False
                 self._release_runs()
-            held = self._hold("wait")
-            try:
-                failures = [f for f in (self._collect(chain) for chain in submitted) if f is not None]
-            finally:
-                unhold(held)
-            if failures:
-                raise failures[0]
-            return list(self.states)
-
-    def _hold(self, what: str) -> tuple:
-        # Every chain and run packet stays mapped while it is used (see Run._hold).
-        held: list = []
-        try:
-            for bo in [chain.bo for chain in self.chains] + [run.packet for run in self.runs]:
-                held.extend(bo.hold(what))
-        except XdnaError:
-            unhold(tuple(held))
-            self._check_open(what)
-            raise
-        return tuple(held)
+            failures = [f for f in (self._collect(chain) for chain in submitted) if f is not None]
+            if not failures:
+                return list(self.states)
+            error = failures[0]
+        raise _classified(error, self.ctx)
 
     def _collect(self, chain: _Chain) -> CommandError | None:
-        state = cmd.read_state(chain.view)
+        state = chain.head[0] & 0xF
         n = len(chain.runs)
         if state == cmd.ERT_CMD_STATE_COMPLETED:
             self.states[chain.first:chain.first + n] = [state] * n
@@ -662,11 +923,14 @@ class RunList:
         run = chain.runs[error_index]
         index = chain.first + error_index
         # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).
-        return _command_error(run.kernel.name, state, chain.seq, self.ctx.handle, chain.view, index=index,
-                              health_packet=chain.runs[0]._view, emulated=self.ctx.device.emulator is not None)
+        return _command_error(run.kernel.name, state, chain.seq, self.ctx, chain.view, index=index,
+                              health_packet=chain.runs[0]._view)
 
     def _check_open(self, what: str) -> None:
         # The chain packets and the runs' packets are written and read through their mappings.
+        if self._pin.closed:
+            handle = self.chains[0].bo.handle if self.chains else None
+            raise ioctl_error(what, {"cmd_handles": handle}, errno.EBADF, "run list is closed")
         for chain in self.chains:
             if chain.bo.closed:
                 raise ioctl_error(what, {"cmd_handles": chain.bo.handle}, errno.EBADF, "run list is closed")
@@ -680,9 +944,9 @@ class RunList:
         return self.start().wait(timeout)
 
     def close(self) -> None:
-        """Release the chain packet buffers (the runs stay usable); idempotent."""
-        for chain in self.chains:
-            chain.bo.close()
+        """Release the chain packet buffers (the runs stay usable); idempotent. Waits for a ``start`` in
+        progress in another thread."""
+        release_steps(self._unpin or self._pin.release, *(chain.bo.close for chain in self.chains))
 
     def __enter__(self) -> RunList:
         return self

@@ -1,7 +1,10 @@
 """The xclbin (axlf) container: a bounds-checked parser, a writer, and an mlir-aie style builder.
 
-Pure functions over bytes; the only I/O is reading a file handed to :func:`parse`.
-Format facts: ``spec/xrt-npu-sequence.md`` section 3 (axlf header, section table, MEM_TOPOLOGY,
+Pure functions over bytes; the only I/O is reading a file handed to :func:`parse`, through
+:mod:`amdxdna_direct.files` (a regular file within the xclbin size limit, docs/files.md). The parse is
+bounded by the input: byte fields are views of it, and the bytes every section and array declares are
+charged to a budget proportional to the file's size (docs/files.md 5).
+Format facts: ``docs/xrt-sequence.md`` section 3 (axlf header, section table, MEM_TOPOLOGY,
 CONNECTIVITY, IP_LAYOUT, EMBEDDED_METADATA, AIE_PARTITION), 1.3 (PDI selection) and 2.1 (the
 mlir-aie kernel arguments). Every offset and count read from the file is checked before use; any
 malformed input raises :class:`XclbinError` naming the section and the field. Struct layouts and enum
@@ -19,11 +22,13 @@ import os
 import re
 import struct
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 from xml.sax.saxutils import quoteattr
 
 from . import abi
+from .errors import Error
 from .insts import read_input
 
 __all__ = [
@@ -33,7 +38,7 @@ __all__ = [
 ]
 
 
-class XclbinError(ValueError):
+class XclbinError(Error, ValueError):
     """A malformed or unusable xclbin; the message names the section and the field."""
 
 
@@ -42,7 +47,7 @@ def _enum(tag: str, prefix: str = "") -> dict[int, str]:
     return {value: name.removeprefix(prefix) for value, name in abi.ffi.typeof(f"enum {tag}").elements.items()}
 
 
-# Section kinds, memory / IP / CDO types: the enums of headers/xclbin.h (spec 3.3, 3.4, 3.6, 3.8).
+# Section kinds, memory / IP / CDO types: the enums of headers/xclbin.h (docs/xrt-sequence.md 3.3, 3.4, 3.6, 3.8).
 SECTION_KINDS = _enum("axlf_section_kind")
 CDO_TYPES = _enum("CDO_TYPE", "CT_")
 MEM_TYPES = _enum("MEM_TYPE", "MEM_")
@@ -58,7 +63,8 @@ MEM_DRAM: int = abi.MEM_DRAM
 IP_PS_KERNEL: int = abi.IP_PS_KERNEL
 ST_DPU: int = abi.ST_DPU
 CT_PRIMARY: int = abi.CT_PRIMARY
-# XRT xclbin_parser argtype: addressQualifier 0 scalar, 1 global, 2 constant, 3 local, 4 stream (spec 3.7).
+# XRT xclbin_parser argtype: addressQualifier 0 scalar, 1 global, 2 constant, 3 local, 4 stream
+# (docs/xrt-sequence.md 3.7).
 ARG_KINDS = {0: "scalar", 1: "global", 2: "constant", 3: "local", 4: "stream"}
 
 MAGIC = b"xclbin2\0"
@@ -102,7 +108,7 @@ def _layout(ctype: str, *members: str, end: str | None = None) -> struct.Struct:
     return struct.Struct(fmt)
 
 
-# spec 3.1 / 3.2: the fixed file head, its header and the 40-byte section headers that follow at 0x1C8.
+# docs/xrt-sequence.md 3.1 / 3.2: the fixed file head, its header and the 40-byte section headers that follow at 0x1C8.
 _AXLF_PREFIX = _layout("struct axlf", "m_magic", "m_signature_length", "reserved", "m_keyBlock", "m_uniqueId",
                        end="m_header")
 _AXLF_HEADER = _layout("struct axlf_header", "m_length", "m_timeStamp", "m_featureRomTimeStamp", "m_versionPatch",
@@ -112,14 +118,14 @@ _SECTION_TABLE = abi.ffi.offsetof("struct axlf", "m_sections")
 _SECTION_HEADER = _layout("struct axlf_section_header", "m_sectionKind", "m_sectionName", "m_sectionOffset",
                           "m_sectionSize")
 _SECTION_ALIGN = 8
-# spec 3.4-3.6: an i32 m_count (MEM_TOPOLOGY and IP_LAYOUT pad it to 8 bytes), then the records.
+# docs/xrt-sequence.md 3.4-3.6: an i32 m_count (MEM_TOPOLOGY and IP_LAYOUT pad it to 8 bytes), then the records.
 _MEM_COUNT = _layout("struct mem_topology", "m_count", end="m_mem_data")
 _MEM_DATA = _layout("struct mem_data", "m_type", "m_used", "m_size", "m_base_address", "m_tag")
 _CONNECTION_COUNT = _layout("struct connectivity", "m_count", end="m_connection")
 _CONNECTION = _layout("struct connection", "arg_index", "m_ip_layout_index", "mem_data_index")
 _IP_COUNT = _layout("struct ip_layout", "m_count", end="m_ip_data")
 _IP_DATA = _layout("struct ip_data", "m_type", "properties", "m_base_address", "m_name")
-# spec 3.8: array_offset members unpack as (element count, byte offset from the section start).
+# docs/xrt-sequence.md 3.8: array_offset members unpack as (element count, byte offset from the section start).
 _PARTITION = _layout("struct aie_partition", "schema_version", "mpo_name", "operations_per_cycle",
                      "inference_fingerprint", "pre_post_fingerprint", "info.column_width", "info.start_columns",
                      "aie_pdi", "kernel_commit_id")
@@ -138,7 +144,7 @@ def _freeze(record: object, *names: str) -> None:
 
 @dataclass(frozen=True)
 class Header:
-    """``struct axlf`` + ``struct axlf_header`` (spec 3.1)."""
+    """``struct axlf`` + ``struct axlf_header`` (docs/xrt-sequence.md 3.1)."""
 
     uuid: bytes
     version_major: int
@@ -164,7 +170,7 @@ class Header:
 
 @dataclass(frozen=True)
 class MemData:
-    """One ``mem_data`` entry of MEM_TOPOLOGY (spec 3.4)."""
+    """One ``mem_data`` entry of MEM_TOPOLOGY (docs/xrt-sequence.md 3.4)."""
 
     type: int
     used: int
@@ -185,7 +191,7 @@ class MemTopology:
 
 @dataclass(frozen=True)
 class Connection:
-    """One CONNECTIVITY entry (spec 3.5): kernel argument -> memory bank."""
+    """One CONNECTIVITY entry (docs/xrt-sequence.md 3.5): kernel argument -> memory bank."""
 
     arg_index: int
     ip_layout_index: int
@@ -204,7 +210,7 @@ class Connectivity:
 
 @dataclass(frozen=True)
 class Ip:
-    """One ``ip_data`` entry of IP_LAYOUT (spec 3.6); ``name`` is ``kernel:instance``."""
+    """One ``ip_data`` entry of IP_LAYOUT (docs/xrt-sequence.md 3.6); ``name`` is ``kernel:instance``."""
 
     type: int
     properties: int
@@ -224,17 +230,17 @@ class Ip:
     @property
     def subtype(self) -> int:
         """PS kernel ``m_subtype`` (bits 1:0; 1 = DPU)."""
-        return (self.properties >> abi.IP_PS_KERNEL_SUBTYPE_SHIFT) & abi.IP_PS_KERNEL_SUBTYPE_MASK
+        return int((self.properties >> abi.IP_PS_KERNEL_SUBTYPE_SHIFT) & abi.IP_PS_KERNEL_SUBTYPE_MASK)
 
     @property
     def functional(self) -> int:
         """PS kernel ``m_functional`` (bits 5:4)."""
-        return (self.properties >> abi.IP_PS_KERNEL_FUNCTIONAL_SHIFT) & abi.IP_PS_KERNEL_FUNCTIONAL_MASK
+        return int((self.properties >> abi.IP_PS_KERNEL_FUNCTIONAL_SHIFT) & abi.IP_PS_KERNEL_FUNCTIONAL_MASK)
 
     @property
     def kernel_id(self) -> int:
         """PS kernel ``m_kernel_id`` (bits 27:16)."""
-        return (self.properties >> abi.IP_PS_KERNEL_KERNEL_ID_SHIFT) & abi.IP_PS_KERNEL_KERNEL_ID_MASK
+        return int((self.properties >> abi.IP_PS_KERNEL_KERNEL_ID_SHIFT) & abi.IP_PS_KERNEL_KERNEL_ID_MASK)
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,7 @@ class IpLayout:
 
 @dataclass(frozen=True)
 class KernelArg:
-    """One ``<arg>`` of a kernel: its XRT index and its place in the command regmap (spec 3.7)."""
+    """One ``<arg>`` of a kernel: its XRT index and its place in the command regmap (docs/xrt-sequence.md 3.7)."""
 
     name: str
     index: int
@@ -274,7 +280,7 @@ class Kernel:
 
     @property
     def regmap_size(self) -> int:
-        """Bytes of the regmap XRT lays out: max(offset + size) over the arguments (spec 1.7)."""
+        """Bytes of the regmap XRT lays out: max(offset + size) over the arguments (docs/xrt-sequence.md 1.7)."""
         return max((a.offset + a.size for a in self.args), default=0)
 
 
@@ -304,7 +310,7 @@ class EmbeddedMetadata:
 
 @dataclass(frozen=True)
 class CdoGroup:
-    """``cdo_group`` of an AIE_PARTITION PDI (spec 3.8)."""
+    """``cdo_group`` of an AIE_PARTITION PDI (docs/xrt-sequence.md 3.8)."""
 
     name: str
     type: int
@@ -323,14 +329,19 @@ class CdoGroup:
 
 @dataclass(frozen=True)
 class Pdi:
-    """``aie_pdi``: a PDI image with its uuid and CDO groups (spec 3.8)."""
+    """``aie_pdi``: a PDI image with its uuid and CDO groups (docs/xrt-sequence.md 3.8)."""
 
     uuid: bytes
-    image: bytes = field(repr=False)
+    # parse() gives a read-only memoryview of the input (docs/files.md 5); a hand-built Pdi may hold bytes.
+    image: bytes | memoryview = field(repr=False)
     cdo_groups: tuple[CdoGroup, ...]
 
     def __post_init__(self) -> None:
         _freeze(self, "cdo_groups")
+
+    def __reduce__(self) -> tuple[type[Pdi], tuple[bytes, bytes, tuple[CdoGroup, ...]]]:
+        # a memoryview does not pickle or deepcopy: the image goes as bytes
+        return (Pdi, (self.uuid, bytes(self.image), self.cdo_groups))
 
     @property
     def size(self) -> int:
@@ -345,7 +356,7 @@ class Pdi:
 
 @dataclass(frozen=True)
 class AiePartition:
-    """AIE_PARTITION (spec 3.8)."""
+    """AIE_PARTITION (docs/xrt-sequence.md 3.8)."""
 
     schema_version: int
     name: str
@@ -362,22 +373,29 @@ class AiePartition:
 
     @property
     def ops_per_cycle(self) -> int:
-        """``operations_per_cycle``: what XRT passes as CREATE_HWCTX ``max_opc`` (spec 1.3)."""
+        """``operations_per_cycle``: what XRT passes as CREATE_HWCTX ``max_opc`` (docs/xrt-sequence.md 1.3)."""
         return self.operations_per_cycle
 
 
-Content = bytes | MemTopology | Connectivity | IpLayout | EmbeddedMetadata | AiePartition
+Content = bytes | memoryview | MemTopology | Connectivity | IpLayout | EmbeddedMetadata | AiePartition
+_C = TypeVar("_C", MemTopology, Connectivity, IpLayout, EmbeddedMetadata, AiePartition)
 
 
 @dataclass(frozen=True)
 class Section:
-    """One section: its table entry and its content (decoded, or raw bytes for kinds not decoded here)."""
+    """One section: its table entry and its content (decoded, or raw bytes for kinds not decoded here; parse()
+    gives those as a read-only memoryview of the input, docs/files.md 5)."""
 
     kind: int
     name: str
     content: Content = field(repr=False)
     offset: int = field(default=0, compare=False)
     size: int = field(default=0, compare=False)
+
+    def __reduce__(self) -> tuple[type[Section], tuple[object, ...]]:
+        # a memoryview does not pickle or deepcopy: raw content goes as bytes
+        content = bytes(self.content) if isinstance(self.content, memoryview) else self.content
+        return (Section, (self.kind, self.name, content, self.offset, self.size))
 
     @property
     def kind_name(self) -> str:
@@ -403,11 +421,12 @@ class Xclbin:
         _freeze(self, "sections")
 
     @classmethod
-    def load(cls, data: bytes | str | os.PathLike) -> Xclbin:
+    def load(cls, data: bytes | str | os.PathLike[str]) -> Xclbin:
         """Same as :func:`parse`.
 
         Raises:
             XclbinError: malformed input.
+            FileRefused: the path is not a regular file or is over the xclbin size limit (docs/files.md).
             OSError: the file cannot be read.
             TypeError: ``data`` is neither bytes nor a path.
         """
@@ -427,7 +446,7 @@ class Xclbin:
         """The first section of ``kind`` (XRT ``get_axlf_section``), or None."""
         return next((s for s in self.sections if s.kind == kind), None)
 
-    def _content(self, kind: int, expected: type) -> object | None:
+    def _content(self, kind: int, expected: type[_C]) -> _C | None:
         found = self.section(kind)
         if found is None:
             return None
@@ -478,7 +497,7 @@ class Xclbin:
 
     def pdi_for(self, kernel_name: str | None = None) -> Pdi:
         """The PDI XRT loads for a kernel: the first ``aie_pdi`` having a ``cdo_group`` whose
-        ``dpu_kernel_ids`` contains the kernel's ``dpu_kernel_id`` (spec 1.3, shim hwctx.cpp get_pdi).
+        ``dpu_kernel_ids`` contains the kernel's ``dpu_kernel_id`` (docs/xrt-sequence.md 1.3, shim hwctx.cpp get_pdi).
 
         Raises:
             XclbinError: unknown kernel, no dpu_kernel_id, no AIE_PARTITION, or no PDI for that id.
@@ -499,43 +518,103 @@ class Xclbin:
 # --------------------------------------------------------------------------------------------- bounded reads
 
 
-class _View:
-    """Bounds-checked reads from one region; errors name the region and the field."""
+# docs/files.md 5: the bytes the arrays, strings and sections of one file may declare in total.
+BUDGET_FACTOR = 8
+BUDGET_BYTES = 64 << 10
 
-    def __init__(self, data: bytes, where: str) -> None:
-        self.data = data
+
+class _Budget:
+    """The bytes the records of one file have declared so far, against a limit proportional to its size.
+
+    Overlapping arrays are legal byte-wise but each one is decoded again; the budget bounds the parse's work
+    and memory by the file's size whatever the offsets say (docs/files.md 5).
+    """
+
+    def __init__(self, file_size: int) -> None:
+        self.file_size = file_size
+        self.limit = BUDGET_FACTOR * file_size + BUDGET_BYTES
+        self.used = 0
+
+    def charge(self, nbytes: int, where: str, name: str) -> None:
+        self.used += nbytes
+        if self.used > self.limit:
+            raise XclbinError(f"{where}: {name} ({nbytes} bytes) brings the bytes declared by the file's sections "
+                              f"and arrays to {self.used}, over the budget of {self.limit} for a "
+                              f"{self.file_size}-byte file ({BUDGET_FACTOR} x size + {BUDGET_BYTES}; "
+                              f"overlapping arrays?)")
+
+
+class _View:
+    """Bounds-checked reads from one region of the input, without copying it; errors name the region and
+    the field; every array, string and region taken is charged to the parse's budget."""
+
+    def __init__(self, raw: bytes, where: str, budget: _Budget, start: int = 0, size: int | None = None) -> None:
+        self.raw = raw
         self.where = where
+        self.budget = budget
+        self.start = start
+        self.size = len(raw) - start if size is None else size
 
     def fail(self, what: str) -> XclbinError:
         return XclbinError(f"{self.where}: {what}")
 
     def check(self, offset: int, size: int, name: str) -> None:
-        if offset < 0 or size < 0 or offset + size > len(self.data):
-            raise self.fail(f"{name} at offset {offset} size {size} lies outside the {len(self.data)} bytes")
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise self.fail(f"{name} at offset {offset} size {size} lies outside the {self.size} bytes")
 
-    def unpack(self, layout: struct.Struct, offset: int, name: str) -> tuple:
+    def charge(self, nbytes: int, name: str) -> None:
+        self.budget.charge(nbytes, self.where, name)
+
+    def unpack(self, layout: struct.Struct, offset: int, name: str) -> tuple[Any, ...]:
         self.check(offset, layout.size, name)
-        return layout.unpack_from(self.data, offset)
+        return layout.unpack_from(self.raw, self.start + offset)
 
-    def take(self, offset: int, size: int, name: str) -> bytes:
+    def take(self, offset: int, size: int, name: str) -> memoryview:
+        """A read-only view of ``size`` bytes at ``offset`` (no copy)."""
         self.check(offset, size, name)
-        return self.data[offset:offset + size]
+        self.charge(size, name)
+        return memoryview(self.raw)[self.start + offset:self.start + offset + size]
+
+    def region(self, offset: int, size: int, where: str, name: str) -> _View:
+        """The view of ``size`` bytes at ``offset``, named ``where``, charged to the budget as ``where: name``."""
+        self.check(offset, size, where)
+        self.budget.charge(size, where, name)
+        return _View(self.raw, where, self.budget, self.start + offset, size)
+
+    def whole(self) -> memoryview:
+        """A read-only view of the whole region (already charged when the region was taken)."""
+        return memoryview(self.raw)[self.start:self.start + self.size]
+
+    def copy(self) -> bytes:
+        """A copy of the whole region."""
+        return self.raw[self.start:self.start + self.size]
+
+    def records(self, layout: struct.Struct, offset: int, count: int, name: str) -> list[tuple[Any, ...]]:
+        """``count`` records of ``layout`` from ``offset``, checked and charged before any is decoded."""
+        self.check(offset, count * layout.size, name)
+        self.charge(count * layout.size, name)
+        base = self.start + offset
+        return [layout.unpack_from(self.raw, base + i * layout.size) for i in range(count)]
 
     def array(self, count: int, offset: int, item: str, name: str) -> tuple[int, ...]:
         """``count`` elements of struct format ``item`` at ``offset`` (an ``array_offset``)."""
         if count == 0:
             return ()
         size = struct.calcsize("<" + item)
-        self.check(offset, count * size, f"{name} ({count} elements)")
-        return struct.unpack_from(f"<{count}{item}", self.data, offset)
+        label = f"{name} ({count} elements)"
+        self.check(offset, count * size, label)
+        self.charge(count * size, label)
+        return struct.unpack_from(f"<{count}{item}", self.raw, self.start + offset)
 
     def cstr(self, offset: int, name: str) -> str:
         """NUL-terminated UTF-8 string at ``offset``."""
         self.check(offset, 1, name)
-        end = self.data.find(b"\0", offset)
+        begin = self.start + offset
+        end = self.raw.find(b"\0", begin, self.start + self.size)
         if end < 0:
             raise self.fail(f"{name} at offset {offset} has no NUL terminator")
-        return _text(self.data[offset:end], self.where, name)
+        self.charge(end - begin + 1, name)
+        return _text(self.raw[begin:end], self.where, name)
 
 
 def _text(raw: bytes, where: str, name: str) -> str:
@@ -553,23 +632,26 @@ def _fixed(raw: bytes, where: str, name: str) -> str:
 # --------------------------------------------------------------------------------------------- parsing
 
 
-def parse(data: bytes | str | os.PathLike) -> Xclbin:
+def parse(data: bytes | str | os.PathLike[str]) -> Xclbin:
     """Parse an xclbin given as bytes or as a path.
 
     Raises:
         XclbinError: the file is truncated or corrupt (the message names the section and the field).
+        FileRefused: the path is not a regular file or is over the size limit of its kind (docs/files.md).
         OSError: the file cannot be read.
         TypeError: ``data`` is neither bytes nor a path.
     """
-    raw = read_input(data, "parse")
-    view = _View(raw, "axlf header")
+    raw = read_input(data, "parse", kind="xclbin")
+    view = _View(raw, "axlf header", _Budget(len(raw)))
     magic, sig_len, _reserved, key_block, unique_id = view.unpack(_AXLF_PREFIX, 0, "struct axlf")
     if magic != MAGIC:
         raise XclbinError(f"axlf header: magic {magic!r}, expected {MAGIC!r}")
     header, count = _parse_header(view, sig_len, key_block, unique_id)
     if header.length > len(raw):
         raise XclbinError(f"axlf header: m_length {header.length} exceeds the {len(raw)} bytes read (truncated)")
-    view.check(_SECTION_TABLE, count * _SECTION_HEADER.size, f"section table (m_numSections {count})")
+    table = f"section table (m_numSections {count})"
+    view.check(_SECTION_TABLE, count * _SECTION_HEADER.size, table)
+    view.charge(count * _SECTION_HEADER.size, table)
     sections = tuple(_parse_section(view, i) for i in range(count))
     return Xclbin(header=header, sections=sections)
 
@@ -592,12 +674,12 @@ def _parse_section(view: _View, index: int) -> Section:
                                                where)
     name = _fixed(name_raw, where, "m_sectionName")
     label = f"{SECTION_KINDS.get(kind, f'kind {kind}')} section {index}"
-    if offset + size > len(view.data):
+    if offset + size > view.size:
         raise XclbinError(f"{label}: m_sectionOffset {offset} + m_sectionSize {size} exceeds the "
-                          f"{len(view.data)}-byte file")
-    body = view.data[offset:offset + size]
+                          f"{view.size}-byte file")
+    body = view.region(offset, size, label, "m_sectionSize")
     decoder = _SECTION_DECODERS.get(kind)
-    content = decoder(_View(body, label)) if decoder is not None else body
+    content = decoder(body) if decoder is not None else body.whole()
     return Section(kind=kind, name=name, content=content, offset=offset, size=size)
 
 
@@ -605,12 +687,11 @@ def _count(view: _View, layout: struct.Struct) -> int:
     (count,) = view.unpack(layout, 0, "m_count")
     if count < 0:
         raise view.fail(f"m_count {count} is negative")
-    return count
+    return int(count)
 
 
-def _records(view: _View, layout: struct.Struct, start: int, count: int, name: str) -> list[tuple]:
-    view.check(start, count * layout.size, f"{name} array (m_count {count})")
-    return [layout.unpack_from(view.data, start + i * layout.size) for i in range(count)]
+def _records(view: _View, layout: struct.Struct, start: int, count: int, name: str) -> list[tuple[Any, ...]]:
+    return view.records(layout, start, count, f"{name} array (m_count {count})")
 
 
 def _parse_mem_topology(view: _View) -> MemTopology:
@@ -633,7 +714,7 @@ def _parse_ip_layout(view: _View) -> IpLayout:
 
 
 def _parse_metadata(view: _View) -> EmbeddedMetadata:
-    raw = view.data.rstrip(b"\0")
+    raw = view.copy().rstrip(b"\0")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -644,9 +725,8 @@ def _parse_metadata(view: _View) -> EmbeddedMetadata:
 def _parse_partition(view: _View) -> AiePartition:
     (schema, name_off, opc, inference, pre_post, width, ncols, cols_off, npdi, pdi_off,
      commit_off) = view.unpack(_PARTITION, 0, "struct aie_partition")
-    if npdi:
-        view.check(pdi_off, npdi * _AIE_PDI.size, f"aie_pdi array ({npdi} elements)")
-    pdis = tuple(_parse_pdi(view, pdi_off + i * _AIE_PDI.size, i) for i in range(npdi))
+    records = view.records(_AIE_PDI, pdi_off, npdi, f"aie_pdi array ({npdi} elements)") if npdi else []
+    pdis = tuple(_parse_pdi(view, record, i) for i, record in enumerate(records))
     return AiePartition(
         schema_version=schema, name=view.cstr(name_off, "mpo_name"), operations_per_cycle=opc,
         inference_fingerprint=inference, pre_post_fingerprint=pre_post, column_width=width,
@@ -654,26 +734,25 @@ def _parse_partition(view: _View) -> AiePartition:
         kernel_commit_id=view.cstr(commit_off, "kernel_commit_id"))
 
 
-def _parse_pdi(view: _View, offset: int, index: int) -> Pdi:
+def _parse_pdi(view: _View, record: tuple[Any, ...], index: int) -> Pdi:
     name = f"aie_pdi[{index}]"
-    uuid, image_size, image_off, ngroups, groups_off = view.unpack(_AIE_PDI, offset, name)
+    uuid, image_size, image_off, ngroups, groups_off = record
     image = view.take(image_off, image_size, f"{name}.pdi_image") if image_size else b""
-    if ngroups:
-        view.check(groups_off, ngroups * _CDO_GROUP.size, f"{name}.cdo_groups ({ngroups} elements)")
-    groups = tuple(_parse_cdo_group(view, groups_off + i * _CDO_GROUP.size, f"{name}.cdo_groups[{i}]")
-                   for i in range(ngroups))
+    label = f"{name}.cdo_groups ({ngroups} elements)"
+    records = view.records(_CDO_GROUP, groups_off, ngroups, label) if ngroups else []
+    groups = tuple(_parse_cdo_group(view, r, f"{name}.cdo_groups[{i}]") for i, r in enumerate(records))
     return Pdi(uuid=uuid, image=image, cdo_groups=groups)
 
 
-def _parse_cdo_group(view: _View, offset: int, name: str) -> CdoGroup:
-    name_off, cdo_type, pdi_id, nids, ids_off, npre, pre_off = view.unpack(_CDO_GROUP, offset, name)
+def _parse_cdo_group(view: _View, record: tuple[Any, ...], name: str) -> CdoGroup:
+    name_off, cdo_type, pdi_id, nids, ids_off, npre, pre_off = record
     return CdoGroup(
         name=view.cstr(name_off, f"{name}.mpo_name"), type=cdo_type, pdi_id=pdi_id,
         dpu_kernel_ids=view.array(nids, ids_off, "Q", f"{name}.dpu_kernel_ids"),
         pre_cdo_groups=view.array(npre, pre_off, "I", f"{name}.pre_cdo_groups"))
 
 
-_SECTION_DECODERS = {
+_SECTION_DECODERS: dict[int, Callable[[_View], Content]] = {
     MEM_TOPOLOGY: _parse_mem_topology,
     ASK_GROUP_TOPOLOGY: _parse_mem_topology,
     CONNECTIVITY: _parse_connectivity,
@@ -705,7 +784,8 @@ def _optional_number(text: str | None, where: str) -> int | None:
 
 
 def _xml_root(xml: str) -> ET.Element:
-    # Refuse DTDs: entity declarations are the only route to entity-expansion attacks (spec 3.7 XML has none).
+    # Refuse DTDs: entity declarations are the only route to entity-expansion attacks (the XML of
+    # docs/xrt-sequence.md 3.7 has none).
     if "<!DOCTYPE" in xml or "<!ENTITY" in xml:
         raise XclbinError("EMBEDDED_METADATA: XML declares a DOCTYPE/ENTITY, refused")
     try:
@@ -718,7 +798,7 @@ def _kernels_from_xml(xml: str) -> tuple[Kernel, ...]:
     root = _xml_root(xml)
     if root.tag != "project":
         raise XclbinError(f"EMBEDDED_METADATA: root element <{root.tag}>, expected <project>")
-    # XRT's path: project/platform/device/core/kernel (xclbin_parser.cpp, spec 3.7).
+    # XRT's path: project/platform/device/core/kernel (xclbin_parser.cpp, docs/xrt-sequence.md 3.7).
     return tuple(_kernel(k) for k in root.iterfind("platform/device/core/kernel"))
 
 
@@ -729,11 +809,12 @@ def _kernel(node: ET.Element) -> Kernel:
     ext = node.find("extended-data")
     attrs = ext.attrib if ext is not None else {}
     where = f"kernel {name!r} extended-data"
-    instances = []
+    instances: list[str] = []
     for inst in node.iterfind("instance"):
-        if inst.get("name") is None:
+        instance = inst.get("name")
+        if instance is None:
             raise XclbinError(f"EMBEDDED_METADATA: kernel {name!r} has an <instance> without a name")
-        instances.append(inst.get("name"))
+        instances.append(instance)
     return Kernel(
         name=name, type=node.get("type", ""), language=node.get("language", ""),
         dpu_kernel_id=_optional_number(attrs.get("dpu_kernel_id"), f"{where} dpu_kernel_id"),
@@ -866,7 +947,7 @@ def _encode_content(s: Section) -> bytes:
     raise XclbinError(f"{where}: content of type {type(c).__name__} cannot be written")
 
 
-def _encode_records(count: struct.Struct, item: struct.Struct, where: str, records: list[tuple]) -> bytes:
+def _encode_records(count: struct.Struct, item: struct.Struct, where: str, records: list[tuple[Any, ...]]) -> bytes:
     out = bytearray(count.size + item.size * len(records))
     _pack(count, out, 0, where, len(records))
     for i, r in enumerate(records):
@@ -882,7 +963,7 @@ class _PartitionWriter:
         self.where = where
         self.out = bytearray(_PARTITION.size)
 
-    def add(self, blob: bytes) -> int:
+    def add(self, blob: bytes | memoryview) -> int:
         self.out.extend(b"\0" * (_align(len(self.out)) - len(self.out)))
         offset = len(self.out)
         self.out.extend(blob)
@@ -937,7 +1018,7 @@ class _PartitionWriter:
 # --------------------------------------------------------------------------------------------- mlir-aie builder
 
 
-# What aiecc/xclbinutil put in an mlir-aie xclbin (spec 2.1, 3.4-3.8, the npu1_1col fixture).
+# What aiecc/xclbinutil put in an mlir-aie xclbin (docs/xrt-sequence.md 2.1, 3.4-3.8, the npu1_1col fixture).
 _MLIR_AIE_VERSION = (2, 23, 0)
 _MLIR_AIE_MEM = (MemData(type=MEM_DRAM, used=1, size_kb=0x10000, base_address=0x4000000, tag="HOST"),
                  MemData(type=MEM_DRAM, used=1, size_kb=0xC000, base_address=0x4000000, tag="SRAM"))
@@ -947,7 +1028,7 @@ _PRE_POST_FINGERPRINT = 12345
 _PRE_CDO_GROUP = 0xC1
 _PDI_ID = 0x01
 _NO_BASE_ADDRESS = 0xFFFF_FFFF_FFFF_FFFF
-# aiecc emit_partition: start_columns = range(1, 6 - ncols) for partial-array devices (spec 3.8).
+# aiecc emit_partition: start_columns = range(1, 6 - ncols) for partial-array devices (docs/xrt-sequence.md 3.8).
 _NPU1_COLUMNS_PLUS_ONE = 6
 
 
@@ -958,7 +1039,7 @@ def build_mlir_aie(pdi: bytes, *, column_width: int = 1, start_columns: Sequence
     """An xclbin as aiecc + xclbinutil write it for one PDI and the standard mlir-aie kernel.
 
     Arguments ``opcode`` (u64 @0), ``instr`` (@8), ``ninstr`` (u32 @0x10), ``bo0..bo{n-1}`` (@0x14 + 8i)
-    (spec 2.1); IP_LAYOUT ``kernel:instance`` of type PS_KERNEL with subtype DPU, ``functional`` and the
+    (docs/xrt-sequence.md 2.1); IP_LAYOUT ``kernel:instance`` of type PS_KERNEL with subtype DPU, ``functional`` and the
     kernel id; MEM_TOPOLOGY banks HOST/SRAM and CONNECTIVITY (instr -> SRAM, buffers -> HOST) like mlir-aie.
     Without ``uuid`` a deterministic one is derived from the contents.
 
@@ -989,7 +1070,8 @@ def build_mlir_aie(pdi: bytes, *, column_width: int = 1, start_columns: Sequence
         Section(EMBEDDED_METADATA, "", EmbeddedMetadata.from_kernels([k])),
         Section(IP_LAYOUT, "", ip),
         Section(CONNECTIVITY, "", Connectivity(connections)),
-        # xclbinutil lists the group connectivity twice (spec 3.5); the group topology equals MEM_TOPOLOGY.
+        # xclbinutil lists the group connectivity twice (docs/xrt-sequence.md 3.5); the group topology equals
+        # MEM_TOPOLOGY.
         Section(ASK_GROUP_CONNECTIVITY, "", Connectivity(connections + connections)),
         Section(ASK_GROUP_TOPOLOGY, "", MemTopology(_MLIR_AIE_MEM)),
     )

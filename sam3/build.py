@@ -42,6 +42,7 @@ import numpy as np
 
 from amdxdna_direct import xclbin
 from amdxdna_direct.device import TXN_DEV_GEN
+from amdxdna_direct.errors import Error
 from sam3 import kernels, pack
 from sam3.bundle import GEMM_KEYS, MHA_KEYS, OP_KEYS, BundleWriter
 
@@ -65,7 +66,7 @@ _STD_PERTURB = 0.1    # spread of biases and norm affines around 0 and 1
 ProgressFn = Callable[[str], None]
 
 
-class GeometryError(ValueError):
+class GeometryError(Error, ValueError):
     """A geometry that breaks a consistency rule the pipeline relies on; `rule` names it."""
 
     def __init__(self, name: str, rule: str, detail: str):

@@ -19,7 +19,6 @@ import math
 import mmap
 import os
 import re
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -28,6 +27,9 @@ from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
+
+from amdxdna_direct import files
+from amdxdna_direct.errors import Error
 
 MANIFEST = "manifest.txt"
 INDEX = "tensors.txt"
@@ -70,7 +72,7 @@ _FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|i
 _HEX = re.compile(r"\+?[0-9a-fA-F]+")
 
 
-class BundleError(ValueError):
+class BundleError(Error, ValueError):
     """A bundle (or a bundle being written) that cannot be used; the message names file, line and record."""
 
 
@@ -566,7 +568,8 @@ class _Dir:
         try:
             self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            raise BundleError(f"{directory}: cannot open the bundle directory ({os.strerror(e.errno or 0)})") from e
+            raise BundleError(f"{files.shown(directory)}: cannot open the bundle directory "
+                              f"({os.strerror(e.errno or 0)})") from e
         self.root = Path(os.path.realpath(directory))
 
     def close(self) -> None:
@@ -578,6 +581,8 @@ class _Dir:
         """The real in-bundle components of a bundle-relative path, or the reason it is refused."""
         if not text:
             return "is empty"
+        if "\0" in text:
+            return "contains a NUL character"
         if PurePosixPath(text).is_absolute():
             return "is absolute"
         parts = _rel_parts(text)
@@ -600,58 +605,52 @@ class _Dir:
             raise BundleError(f"{text}: the path {where}")
         return where
 
-    def open_file(self, parts: tuple[str, ...], what: str) -> int:
-        """A descriptor of the regular file at `parts`, opened without following any link.
+    def open_file(self, parts: tuple[str, ...], what: str, limit: int | None = None) -> int:
+        """A descriptor of the regular file at `parts`, opened without following any link, by
+        `amdxdna_direct.files` relative to the directory's descriptor (docs/files.md 2).
 
         Raises:
             BundleError: "<what>: no such file", "... is a symbolic link", "... is not a regular file", ...
         """
         if self.fd < 0:
-            raise BundleError(f"{what}: the bundle is closed")
+            raise BundleError(f"{files.shown(what)}: the bundle is closed")
         if not parts:
-            raise BundleError(f"{what}: is the bundle directory, not a file")
-        fd = os.dup(self.fd)
+            raise BundleError(f"{files.shown(what)}: is the bundle directory, not a file")
         try:
-            for part in parts[:-1]:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                os.close(fd)
-                fd = nxt
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below.
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            nxt = os.open(parts[-1], flags, dir_fd=fd)
+            return files.open_fd("/".join(parts), "tensors", limit=limit, dir_fd=self.fd, follow_symlinks=False)
+        except files.FileRefused as e:
+            raise BundleError(f"{files.shown(what)}: {_refusal(e)}") from e
         except OSError as e:
-            os.close(fd)
-            raise BundleError(f"{what}: {_open_reason(e)}") from e
-        os.close(fd)
-        mode = os.fstat(nxt).st_mode
-        if not stat.S_ISREG(mode):
-            os.close(nxt)
-            raise BundleError(f"{what}: is not a regular file ({_kind(mode)})")
-        return nxt
+            raise BundleError(f"{files.shown(what)}: {_open_reason(e)}") from e
 
     def read(self, parts: tuple[str, ...], what: str, limit: int) -> bytes:
-        """The whole regular file at `parts`, at most `limit` bytes.
+        """The whole regular file at `parts`, at most `limit` bytes (docs/files.md 3).
 
         Raises:
             BundleError: the file cannot be opened (see open_file) or is larger than `limit`.
         """
-        fd = self.open_file(parts, what)
+        fd = self.open_file(parts, what, limit)
         try:
-            size = os.fstat(fd).st_size
-            if size > limit:
-                raise BundleError(f"{what}: {size} bytes, over the {_mib(limit)} limit")
-            chunks, total = [], 0
-            while total <= limit:
-                chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                total += len(chunk)
-            if total > limit:
-                raise BundleError(f"{what}: grew past the {_mib(limit)} limit while being read")
-            return b"".join(chunks)
+            return files.read_fd(fd, what, "tensors", limit)
+        except files.FileRefused as e:
+            raise BundleError(f"{files.shown(what)}: {_refusal(e)}") from e
+        except OSError as e:
+            raise BundleError(f"{files.shown(what)}: cannot read ({errno.errorcode.get(e.errno or 0, '?')}: "
+                              f"{os.strerror(e.errno or 0)})") from e
         finally:
             os.close(fd)
+
+
+def _refusal(e: files.FileRefused) -> str:
+    """The bundle's wording of a refusal by amdxdna_direct.files (docs/sam3-bundle.md 8)."""
+    limit = files.limit_text(e.limit) if e.limit is not None else ""
+    reasons = {
+        "size": f"{e.size} bytes, over the {limit} limit",
+        "grew": f"grew past the {limit} limit while being read",
+        "link": "is a symbolic link (bundle files are opened without following links)",
+        "dir-link": "a component of the path is not a directory (or is a symbolic link)",
+    }
+    return reasons.get(e.code, e.reason)
 
 
 def _open_reason(e: OSError) -> str:
@@ -662,16 +661,6 @@ def _open_reason(e: OSError) -> str:
     if e.errno == errno.ENOENT:
         return "no such file"
     return f"cannot open ({errno.errorcode.get(e.errno or 0, '?')}: {os.strerror(e.errno or 0)})"
-
-
-def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), f"mode {mode:o}")
-
-
-def _mib(n: int) -> str:
-    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n}-byte"
 
 
 def _utf8(data: bytes, name: str) -> str:

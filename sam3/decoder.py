@@ -17,7 +17,6 @@ import numpy as np
 from sam3 import hostmath
 from sam3.bundle import Bundle
 from sam3.npu import Npu, NpuError
-from sam3.pack import from_bf16
 from sam3.vit import reference_gemm
 
 _F32 = np.float32
@@ -283,7 +282,7 @@ class Decoder:
         enc, feats, valid = check_inputs(b, enc, feats, valid)
         self.kv.set_a(kv_input(b, enc))
         self.npu.run(self.kv, self.npu.weights("dec.kv"))
-        return decode(b, from_bf16(self.kv.get_c(self.tokens)), feats, valid)
+        return decode(b, self.kv.get_c_f32(self.tokens), feats, valid)
 
 
 def reference(bundle: Bundle, enc: np.ndarray, feats: np.ndarray, valid: np.ndarray) -> Decoded:

@@ -119,7 +119,7 @@ class Encoder:
     def _gemm(self, io: Io, a: np.ndarray, weights: Bo) -> np.ndarray:
         io.set_a(a)
         self.npu.run(io, weights)
-        return from_bf16(io.get_c(self.tokens))
+        return io.get_c_f32(self.tokens)
 
     def forward(self, x: np.ndarray, valid: np.ndarray) -> np.ndarray:
         """The encoder over the image features `x` `[T, d]` (fpn level 2, raster) for the prompt last set.
@@ -149,7 +149,7 @@ class Encoder:
             self.fc1.set_a(_ln(b, f"d.{i}.ln3", x))
             npu.run(self.fc1, npu.weights(f"d.{i}.fc1"))
             npu.run(self.fc2, npu.weights(f"d.{i}.fc2"))
-            x = x + from_bf16(self.fc2.get_c(self.tokens)) + t.get(f"d.{i}.fc2.b", "f32")
+            x = x + self.fc2.get_c_f32(self.tokens) + t.get(f"d.{i}.fc2.b", "f32")
         return x
 
 

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from amdxdna_direct.errors import Error
 from sam3.hostmath import f32, to_bf16
 
 # docs/sam3-host.md 6.1: where the CLIP text encoder lives in the checkpoint. The top-level
@@ -29,7 +30,7 @@ _PROJ = "text_projection."
 WEIGHTS_FILE = "model.safetensors"
 
 
-class ExportError(ValueError):
+class ExportError(Error, ValueError):
     """A checkpoint that is not SAM3, or a missing or mis-shaped tensor or config key (named in the message)."""
 
 

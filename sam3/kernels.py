@@ -28,6 +28,7 @@ import numpy as np
 from amdxdna_direct import insts
 from amdxdna_direct.emu.memory import DeviceFault
 from amdxdna_direct.emu.models import stream_digest
+from amdxdna_direct.errors import Error
 
 from . import pack
 
@@ -78,7 +79,7 @@ _SCORE_ELEMS = 1 << 24
 B_CACHE_BYTES = 2 << 30
 
 
-class StreamError(ValueError):
+class StreamError(Error, ValueError):
     """An instruction stream without the words a reader needs (names the word index and values)."""
 
 
@@ -412,6 +413,7 @@ class FlmGemm:
         self.decodes = 0
         self._lock = threading.Lock()
         self.name = f"flm.GEMM {m}x{k}x{n} lda={lda} {EPILOGUE_MODES[mode]}"
+        self.compute_only = True        # small dispatches may run on the firmware worker (docs/emulator.md)
 
     @property
     def a_bytes(self) -> int:
@@ -507,6 +509,7 @@ class IronMha:
             form, dim
         layout = "strided" if form == "strided" else "token-major" if token_major else "[heads, seq, d]"
         self.name = f"mha heads={heads} seq={seq} d={d} {layout}"
+        self.compute_only = True        # small dispatches may run on the firmware worker (docs/emulator.md)
 
     @property
     def tokens(self) -> int:
@@ -637,6 +640,7 @@ class Rope:
         self.tokens, self.dim, self.heads = tokens, dim, heads
         self.half = dim // heads // 2
         self.name = f"rope tokens={tokens} dim={dim} heads={heads}"
+        self.compute_only = True        # small dispatches may run on the firmware worker (docs/emulator.md)
 
     @_silent_arithmetic
     def __call__(self, args: dict[int, np.ndarray]) -> None:
@@ -678,6 +682,7 @@ class AddLn:
             raise ValueError(f"AddLn: eps must be finite and >= 0, got {eps!r}")
         self.tokens, self.dim, self.eps, self.residual_f32 = tokens, dim, float(eps), bool(residual_f32)
         self.name = f"addln tokens={tokens} dim={dim} {'f32' if residual_f32 else 'bf16'} residual"
+        self.compute_only = True        # small dispatches may run on the firmware worker (docs/emulator.md)
 
     @_silent_arithmetic
     def __call__(self, args: dict[int, np.ndarray]) -> None:

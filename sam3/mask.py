@@ -16,7 +16,7 @@ from sam3.decoder import attention, layer_norm, linear, mlp
 from sam3.detr import Fold, fold, prompt_softmax
 from sam3.neck import reference_conv
 from sam3.npu import Io, Npu, NpuError, push
-from sam3.pack import conv_input, conv_output, from_bf16, pack_b, round_bf16
+from sam3.pack import conv_input, conv_output, pack_b, round_bf16
 
 _F32 = np.float32
 # GroupNorm's groups and epsilon are the model's, not bundle params (docs/sam3-segment.md 3.3).
@@ -204,7 +204,7 @@ class MaskDecoder:
     def _gemm(self, io: Io, a: np.ndarray, weights: Bo, rows: int) -> np.ndarray:
         io.set_a(a)
         self.npu.run(io, weights)
-        return from_bf16(io.get_c(rows))
+        return io.get_c_f32(rows)
 
     def cross(self, enc: np.ndarray, valid: np.ndarray) -> np.ndarray:
         """p = enc + cross-attention(m.ca_ln(enc)) to the prompt last set, on d_s / d_c.
@@ -237,7 +237,7 @@ class MaskDecoder:
         io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
         self.npu.run(io, self.npu.weights(f"m.conv{stage}"))
         bias = self.npu.bundle.tensors.get(f"m.conv{stage}.b", "f32")
-        return conv_output(from_bf16(io.get_c(io.rows)), geom, side, side).reshape(side * side, -1) + bias
+        return conv_output(io.get_c_f32(io.rows), geom, side, side).reshape(side * side, -1) + bias
 
     def forward(self, hidden: np.ndarray, fpn: list[np.ndarray], enc: np.ndarray, valid: np.ndarray) -> Masks:
         """Mask logits for the decoder's normalised queries `hidden` `[Q, d]`, the FPN levels `fpn` (channels-last

@@ -64,7 +64,7 @@ class Neck:
         geom = io.conv_geometry()
         io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
         self.npu.run(io, self.npu.weights(weights))
-        c = from_bf16(io.get_c(io.rows))
+        c = io.get_c_f32(io.rows)
         b = self.npu.bundle.tensors.get(bias, "f32")
         return conv_output(c, geom, side, side).reshape(side * side, -1) + b
 
@@ -73,11 +73,11 @@ class Neck:
         s, g = self.s, self.s.grid
         self.n_in.set_a(vit_out)
         self.npu.run(self.n_in, self.npu.weights("n.in"))
-        y = from_bf16(self.n_in.get_c(g * g))
+        y = self.n_in.get_c_f32(g * g)
         lvl0 = round_bf16(hostmath.gelu_erf(round_bf16(shuffle(y[:, :s.s0], g, s.mid))))
         self.n_up.set_a(lvl0)
         self.npu.run(self.n_up, self.npu.weights("n.up"))
-        up = from_bf16(self.n_up.get_c(4 * g * g))[:, :4 * s.d]
+        up = self.n_up.get_c_f32(4 * g * g)[:, :4 * s.d]
         fpn0 = self.conv(4 * g, shuffle(up, 2 * g, s.d), "n.conv0", "n.conv0.b")
         fpn1 = self.conv(2 * g, shuffle(y[:, s.s0:s.s0 + 4 * s.d], g, s.d), "n.conv1", "n.conv1.b")
         fpn2 = self.conv(g, y[:, s.s0 + s.s1:s.s0 + s.s1 + s.d], "n.conv2", "n.conv2.b")

@@ -29,28 +29,29 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from amdxdna_direct import errors
-from amdxdna_direct.bo import FROM_DEVICE, Bo
+from amdxdna_direct.bo import BF16, FROM_DEVICE, Bo
 from amdxdna_direct.device import Device, open_device, release_steps
 from amdxdna_direct.hwctx import HwContext
 from amdxdna_direct.kernel import Run, RunList
 from amdxdna_direct.xclbin import Xclbin
 from sam3.bundle import Bundle, GemmSpec, KernelSource, MhaSpec, OpSpec
-from sam3.pack import BF16_BYTES, ConvGeometry, copy_wide, round_up, to_bf16
+from sam3.pack import BF16_BYTES, ConvGeometry, round_up, to_bf16
 
 ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
 ENV_CHAINS = "SAM3_CHAINS"
 # The reference's run timeout (docs/sam3-npu.md 1): a first run on real hardware never waits without bound.
 DEFAULT_TIMEOUT = 10.0
-# Command units kept per operand set (one per weight buffer: a ViT GEMM sees one per layer) and for
-# `run_args` (one per kernel and buffer set); least recently used dropped first.
-UNIT_CACHE = 64
+# Command packets kept per operand set (or for `run_args`), over all the units it caches: a unit per weight buffer
+# (a ViT GEMM sees one per layer) of one packet per chunk. Least recently used units go first; a unit is never
+# dropped for its own sake, so a stage of more chunks than this keeps its one unit.
+PACKETS_PER_CACHE = 512
 EVICTION_POLICIES = ("lru", "drain")
 # How a host wait for a command reaches the driver.
 WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
 U32_MAX = 0xFFFF_FFFF
 
 
-class NpuError(RuntimeError):
+class NpuError(errors.Error, RuntimeError):
     """A kernel could not be loaded or run; names the kernel `key` and, for a stage, the failing `chunk`."""
 
     def __init__(self, message: str, key: str | None = None, chunk: int | None = None):
@@ -63,51 +64,73 @@ class NpuError(RuntimeError):
 # host <-> buffer copies
 
 
-def push(src: np.ndarray, bo: Bo, offset: int = 0) -> int:
-    """Copies `src` into `bo` at byte `offset` with wide parallel copies and syncs that range to the device.
+def push(src: np.ndarray, bo: Bo, offset: int = 0, *, dtype: Any = None) -> int:
+    """Copies `src` into `bo` at byte `offset` straight into the mapping (`Bo.write`: wide parallel copies from
+    4 MiB) and syncs that range to the device.
 
-    Counts the bytes in the device's `stats["bytes_in"]`. Returns the byte count.
+    With `dtype=bfloat16` float data is rounded to bf16 on the way (`Bo.write_bf16`, `to_bf16`'s bits), with
+    no temporary copy of it. Counts the bytes in the device's `stats["bytes_in"]`. Returns the byte count.
 
     Raises:
-        TypeError: `src` holds Python objects.
+        TypeError: `src` holds Python objects, or cannot be stored as `dtype`.
         ValueError: `src` does not fit.
         XdnaError: SYNC_BO failed.
     """
-    data = np.ascontiguousarray(src)
+    data = np.asarray(src)
     if data.dtype.hasobject:
         raise TypeError(f"push: expected numeric data, got an array of {data.dtype}")
-    nbytes = data.nbytes
+    held = data.dtype if dtype is None else np.dtype(dtype)
+    nbytes = data.size * held.itemsize
     if nbytes == 0:
         return 0
     if offset < 0 or offset + nbytes > bo.size:
         raise ValueError(f"push of {nbytes} bytes at offset {offset} does not fit a {bo.size}-byte buffer")
-    copy_wide(bo.array(np.uint8, nbytes, offset), data.reshape(-1).view(np.uint8))
+    bo.write(data, offset, dtype=dtype)
     bo.sync(offset, nbytes)
-    bo.device.stats["bytes_in"] += nbytes
     return nbytes
 
 
-def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0) -> np.ndarray:
-    """The first `count` items of `dtype` of `bo` at byte `offset` (synced from the device first), copied out.
+def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0, *, stored: Any = None) -> np.ndarray:
+    """The first `count` items of `dtype` of `bo` at byte `offset` (synced from the device first), copied out
+    straight from the mapping (`Bo.read`).
+
+    `stored=bfloat16` with `dtype=float32` reads bf16 values and widens them on the way
+    (`Bo.read_f32_from_bf16`, exact as `from_bf16`).
 
     Raises:
-        TypeError: `count` or `offset` not an integer, or an object dtype.
+        TypeError: `count` or `offset` not an integer, an object dtype, or a `stored` other than bf16 -> float32.
         ValueError: the range is outside the buffer.
         XdnaError: SYNC_BO failed.
     """
     dt = np.dtype(dtype)
     if dt.hasobject:
         raise TypeError(f"pull: dtype must be numeric, got {dt}")
+    held = dt if stored is None else np.dtype(stored)
+    if stored is not None and (held != BF16 or dt != np.float32):
+        raise TypeError(f"pull: stored={held} with dtype={dt}: only bfloat16 widens to float32")
     count, offset = _integer(count, "pull count"), _integer(offset, "pull offset")
-    if count < 0 or offset < 0 or offset + count * dt.itemsize > bo.size:
-        raise ValueError(f"pull(count={count}, dtype={dt}, offset={offset}) outside a {bo.size}-byte buffer")
-    out = np.empty(count, dtype=dt)
+    if count < 0 or offset < 0 or offset + count * held.itemsize > bo.size:
+        raise ValueError(f"pull(count={count}, dtype={held}, offset={offset}) outside a {bo.size}-byte buffer")
     if count == 0:
-        return out
-    bo.sync(offset, count * dt.itemsize, direction=FROM_DEVICE)
-    copy_wide(out, bo.array(dt, count, offset))
-    bo.device.stats["bytes_out"] += out.nbytes
-    return out
+        return np.empty(0, dtype=dt)
+    bo.sync(offset, count * held.itemsize, direction=FROM_DEVICE)
+    if stored is not None:
+        return bo.read_f32_from_bf16(count, offset)
+    return bo.read(offset=offset, dtype=dt, count=count)
+
+
+def _push_bf16(src: np.ndarray, bo: Bo, what: str) -> int:
+    """Pushes bf16 bits as they are, or floats rounded to bf16 straight into the mapping (no bits temporary)."""
+    arr = np.asarray(src)
+    if arr.dtype.kind == "f" and arr.dtype.name != "bfloat16":
+        flat = arr.reshape(-1)
+        if flat.size > bo.size // BF16_BYTES:
+            raise ValueError(f"{what} of {flat.size} elements, the buffer holds {bo.size // BF16_BYTES}")
+        return push(flat, bo, dtype=BF16)
+    bits = bf16_bits(arr).reshape(-1)
+    if bits.size > bo.size // BF16_BYTES:
+        raise ValueError(f"{what} of {bits.size} elements, the buffer holds {bo.size // BF16_BYTES}")
+    return push(bits, bo)
 
 
 def _integer(value: Any, what: str) -> int:
@@ -187,11 +210,7 @@ class Io:
         if self.chained:
             raise NpuError(f"{self.key}: A is {self.chained_from}'s C (chained); set_a would overwrite a "
                            "device result", self.key)
-        bits = bf16_bits(src).reshape(-1)
-        held = self.a.size // BF16_BYTES
-        if bits.size > held:
-            raise ValueError(f"{self.key}: set_a of {bits.size} elements, A holds {held}")
-        return push(bits, self.a)
+        return _push_bf16(src, self.a, f"{self.key}: set_a")
 
     def sync_a(self) -> None:
         """Syncs all of A to the device.
@@ -214,6 +233,19 @@ class Io:
             raise ValueError(f"{self.key}: get_c({rows}) outside C's {self.rows} rows")
         return pull(self.c, rows * self.n).reshape(rows, self.n)
 
+    def get_c_f32(self, rows: int) -> np.ndarray:
+        """The first `rows` rows of C widened to float32 straight out of the mapping, `[rows, n]`.
+
+        Raises:
+            TypeError: `rows` is not an integer.
+            ValueError: more rows than C holds (or negative).
+            XdnaError: SYNC_BO failed.
+        """
+        rows = _integer(rows, f"{self.key}: get_c_f32 rows")
+        if not 0 <= rows <= self.rows:
+            raise ValueError(f"{self.key}: get_c_f32({rows}) outside C's {self.rows} rows")
+        return pull(self.c, rows * self.n, np.float32, stored=BF16).reshape(rows, self.n)
+
 
 class MhaIo:
     """q, k, v, o of an attention kernel, each `elems` bf16 in the kernel's layout (docs/sam3-npu.md 4)."""
@@ -232,13 +264,8 @@ class MhaIo:
             TypeError: a tensor neither bf16 bits nor floats.
             XdnaError: SYNC_BO failed.
         """
-        total = 0
-        for name, src, bo in (("q", q, self.q), ("k", k, self.k), ("v", v, self.v)):
-            bits = bf16_bits(src).reshape(-1)
-            if bits.size > self.spec.elems:
-                raise ValueError(f"{self.key}: {name} has {bits.size} elements, the kernel takes {self.spec.elems}")
-            total += push(bits, bo)
-        return total
+        return sum(_push_bf16(src, bo, f"{self.key}: {name}")
+                   for name, src, bo in (("q", q, self.q), ("k", k, self.k), ("v", v, self.v)))
 
     def get_o(self, count: int | None = None) -> np.ndarray:
         """The first `count` (default `elems`) elements of o as bf16 bits.
@@ -783,7 +810,7 @@ class Npu:
         except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or too many buffers
             raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
         cache[ident] = ((*pins, stream), unit)
-        while len(cache) > UNIT_CACHE:
+        while len(cache) > 1 and sum(len(_unit_runs(u)) for _, u in cache.values()) > PACKETS_PER_CACHE:
             _release_unit(cache.pop(next(iter(cache)))[1])
         return unit
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import operator
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, SupportsIndex
 
 import ml_dtypes
 import numpy as np
+
+from amdxdna_direct.bo import COPY_WORKERS, copy_pool
+from amdxdna_direct.errors import Error
 
 BF16_BYTES = 2
 BLOCK = 8  # values per bfp16ebs8 block, consecutive along k (docs/sam3-packing.md 2)
@@ -26,15 +27,13 @@ EXP_OFFSET = 133  # value = mantissa * 2^(E - EXP_OFFSET) (docs/sam3-packing.md 
 # Blocks of 4 MiB keep each worker streaming whole cache lines through the uncached mapping (the
 # seed copies 64 Ki-element rows per task); below two blocks a single memcpy is faster than a pool.
 COPY_BLOCK = 1 << 22
-_COPY_WORKERS = max(1, min(4, os.cpu_count() or 1))
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_COPY_WORKERS = COPY_WORKERS
 
 # The encoder works on slabs of about this many values, so its float64 temporaries stay in cache.
 _ENCODE_SLAB = 1 << 16
 
 
-class PackError(ValueError):
+class PackError(Error, ValueError):
     """A B operand, bias, tiling or convolution geometry that the packing rules refuse."""
 
 
@@ -581,18 +580,17 @@ def window_perm(grid: int, win: int) -> np.ndarray:
 
 
 def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:  # two first copies from two threads must not start two pools (one would never shut down)
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=_COPY_WORKERS, thread_name_prefix="sam3-copy")
-        return _pool
+    # the runtime's copy pool: one set of copy threads per process for BO copies and these
+    return copy_pool()
 
 
 def copy_wide(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copies `src` into `dst` (same byte size; `dst` contiguous) in large blocks across a small thread pool.
+    """Copies `src` into `dst` (same byte size; `dst` contiguous) in large blocks across the copy pool.
 
-    The destination or source is usually a BO's uncached mapping: streaming whole blocks with
-    numpy's memcpy (which releases the GIL) is what makes the copy fast; never element by element.
+    The destination or source is usually a BO's mapping (BO copies themselves go through `Bo.write`/`read`,
+    which split the same way over the same pool): streaming whole blocks with numpy's memcpy (which releases
+    the GIL) is what makes the copy fast; never element by element. Below two blocks one memcpy on the calling
+    thread (no pool hand-off).
 
     Raises:
         ValueError: the sizes differ, or `dst` is not contiguous (a reshape would copy and lose the data).
@@ -604,7 +602,7 @@ def copy_wide(dst: np.ndarray, src: np.ndarray) -> None:
     if d.size != s.size:
         raise ValueError(f"copy_wide: destination holds {d.size} bytes, source {s.size}")
     if d.size < 2 * COPY_BLOCK or _COPY_WORKERS == 1:
-        d[:] = s
+        np.copyto(d, s)
         return
     starts = range(0, d.size, COPY_BLOCK)
     list(_executor().map(lambda o: np.copyto(d[o : o + COPY_BLOCK], s[o : o + COPY_BLOCK]), starts))

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from amdxdna_direct.errors import Error
+
 _F32 = np.float32
 # The overlay's colour cycle, instance k taking COLORS[k % 6], and its box outline width in pixels
 # (docs/sam3-segment.md 6).
@@ -26,7 +28,7 @@ OUTLINE = 3
 _RESIZE_BLOCK = 1 << 24
 
 
-class PostError(ValueError):
+class PostError(Error, ValueError):
     """Post-processing input that cannot be used: names the argument, the expected shape or range, and the value."""
 
 

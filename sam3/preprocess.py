@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from amdxdna_direct.errors import Error
+
 # docs/sam3-host.md 3.2: 22 fraction bits at most (8-bit samples, 2 bits of headroom in an int32 sum);
 # int16 weights lower the precision until the largest weight fits 15 bits.
 _MAX_PRECISION = 22
@@ -24,7 +26,7 @@ WEIGHT_FORMATS = ("int16", "int32")
 _FORMATS = ("JPEG", "PNG")
 
 
-class ImageError(ValueError):
+class ImageError(Error, ValueError):
     """An image file that is missing, unreadable, corrupt or of an unsupported format; the message names it."""
 
 

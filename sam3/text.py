@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from amdxdna_direct.errors import Error
 from sam3.hostmath import f32, gelu_erf, layer_norm, linear, softmax
 
 
@@ -36,7 +37,7 @@ class Weights(Protocol):
     def get(self, name: str) -> Any: ...
 
 
-class TextError(ValueError):
+class TextError(Error, ValueError):
     """Bad token ids or mask, or a text-encoder weight that is missing or of the wrong size (named)."""
 
 

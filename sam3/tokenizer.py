@@ -18,6 +18,8 @@ from typing import Any, cast
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
 
+from amdxdna_direct.errors import Error
+
 log = logging.getLogger(__name__)
 
 # docs/sam3-host.md 4.2: at each position, in this order: a contraction, a run of letters, ONE numeric
@@ -26,7 +28,7 @@ PIECE_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"
 END_OF_WORD = "</w>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(Error, ValueError):
     """A vocabulary or merges file that cannot be used, bad special ids, or a prompt that cannot be encoded."""
 
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from amdxdna_direct.bo import Bo
+from amdxdna_direct.bo import BF16, Bo
 from sam3 import hostmath, kernels
 from sam3.bundle import Bundle
 from sam3.npu import Io, MhaIo, Npu, NpuError, pull, push
-from sam3.pack import BF16_BYTES, from_bf16, round_bf16, to_bf16, unpack_b
+from sam3.pack import BF16_BYTES, from_bf16, round_bf16, unpack_b
 
 GEMMS = ("v_embed", "v_qkv", "v_o", "v_fc1", "v_fc2")
 
@@ -180,7 +180,7 @@ class Vit:
             self.npu.run(io, self._w(weights))
         else:
             self.npu.run(io, self._w(weights))
-        return from_bf16(io.get_c(rows))
+        return io.get_c_f32(rows)
 
     def prologue(self, pixels: np.ndarray) -> np.ndarray:
         """Patch embedding + position + LN_pre: x0 `[T, D]` float32, window order."""
@@ -243,7 +243,7 @@ class Vit:
         self.qkv.a.sync()
         self.xres[0].sync()
         self.qkv.set_a(h)
-        push(x0.astype(np.float32) if g.res_f32 else to_bf16(x0), self.xres[0])
+        push(x0.astype(np.float32), self.xres[0], dtype=None if g.res_f32 else BF16)
         qkv, o, fc1, fc2 = self.qkv, self.o, self.fc1, self.fc2
         r0, r1 = self.xres
         for i in range(g.layers):
@@ -260,7 +260,7 @@ class Vit:
                 on_layer(i)
         if g.res_f32:
             return pull(r0, g.tokens * g.dim, np.float32).reshape(g.tokens, g.dim)
-        return from_bf16(pull(r0, g.tokens * g.dim)).reshape(g.tokens, g.dim)
+        return pull(r0, g.tokens * g.dim, np.float32, stored=BF16).reshape(g.tokens, g.dim)
 
 
 # ---------------------------------------------------------------------------------------------

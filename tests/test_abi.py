@@ -942,12 +942,13 @@ def test_ci_runs_the_readme_test_command():
 TINY_STREAM = (0x06030100, 0x101, 1, 40, 0x00, 0, 0x1D204, 0, 5, 24)
 
 WHEEL_PROBE = """
-import json, shutil
+import json, shutil, sys
 from amdxdna_direct import abi, open_device
 with open_device("emu:npu1") as device:
     size = device.bo(4096).size
 print(json.dumps([abi.__file__, str(abi.header_dir()), abi.ffi.sizeof("struct amdxdna_drm_exec_cmd"),
-                  shutil.which("gcc"), abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, size]))
+                  shutil.which("gcc"), abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, size,
+                  type(abi.ffi).__module__, "pycparser" in sys.modules]))
 """
 
 
@@ -970,7 +971,8 @@ def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path):
     result = subprocess.run([str(python), "-I", "-c", WHEEL_PROBE], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    module_file, headers, size, gcc, request, bo_size = json.loads(result.stdout)
+    module_file, headers, size, gcc, request, bo_size, ffi_module, pycparser = json.loads(result.stdout)
+    assert (ffi_module, pycparser) == ("_cffi_backend", False)     # the generated declarations, nothing parsed
     site = venv.resolve()
     assert Path(module_file).resolve().is_relative_to(site) and Path(headers).resolve().is_relative_to(site)
     assert Path(headers).name == "headers" and Path(headers).parent.name == "amdxdna_direct"
@@ -983,3 +985,86 @@ def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path):
                           text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ops"] == [{"op": "write32", "addr": 0x1D204, "value": 5}]
+
+
+# ---- the generated declarations module (out-of-line ABI mode) -----------------------------------------
+
+
+def test_the_generated_declarations_are_current():
+    """``_abi_decl.py`` is what ``write_decl_module`` makes of headers/ today (cffi's output plus the cdef's
+    digest); after changing a header, regenerate it as the message says."""
+    committed = (REPO / "amdxdna_direct" / "_abi_decl.py").read_text(encoding="utf-8")
+    fresh = abi.decl_module_source(HEADERS)
+    assert fresh == committed, ("amdxdna_direct/_abi_decl.py is stale: run "
+                                "python -c 'from amdxdna_direct import abi; abi.write_decl_module()'")
+    assert f"CDEF_SHA256 = {abi.cdef_digest(abi.read_cdef(HEADERS))!r}" in committed
+    assert "_cffi_backend.FFI('amdxdna_direct._abi_decl'" in committed
+
+
+def test_the_generated_declarations_match_the_parsed_headers():
+    parsed = abi.build_ffi(HEADERS)
+    assert type(abi.ffi).__module__ == "_cffi_backend"                 # the out-of-line object, not cffi.FFI
+    assert cffi_layouts(abi.ffi) == cffi_layouts(parsed)
+    assert our_constants(abi.ffi) == our_constants(parsed)
+    assert abi.ffi.list_types() == parsed.list_types()
+
+
+IMPORT_PROBE = """
+import json, logging, sys
+logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
+from amdxdna_direct import abi
+print(json.dumps([type(abi.ffi).__module__, "pycparser" in sys.modules, getattr(abi, "AMDXDNA_PROBE_ONLY", None),
+                  abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, abi.__file__]))
+"""
+
+
+def _probe_import(root: Path) -> tuple[list, str]:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), done.stderr
+
+
+def _package_copy(tmp_path: Path) -> Path:
+    root = tmp_path / "tree"
+    shutil.copytree(REPO / "amdxdna_direct", root / "amdxdna_direct", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(HEADERS, root / "headers")
+    return root
+
+
+def test_import_parses_no_c_and_logs_nothing(tmp_path):
+    (ffi_module, pycparser, _, request, where), log = _probe_import(_package_copy(tmp_path))
+    assert (ffi_module, pycparser, request) == ("_cffi_backend", False, abi.DRM_IOCTL_AMDXDNA_EXEC_CMD)
+    assert Path(where).is_relative_to(tmp_path) and "amdxdna_direct.abi" not in log
+
+
+def test_without_the_generated_module_the_headers_are_parsed_and_a_debug_line_says_so(tmp_path):
+    root = _package_copy(tmp_path)
+    (root / "amdxdna_direct" / "_abi_decl.py").unlink()
+    (ffi_module, pycparser, _, request, _), log = _probe_import(root)
+    assert (ffi_module, pycparser, request) == ("cffi.api", True, abi.DRM_IOCTL_AMDXDNA_EXEC_CMD)
+    assert re.search(r"^DEBUG amdxdna_direct\.abi .*_abi_decl\.py is missing: parsing the headers in .*headers at "
+                     r"import \(in-line ABI mode, pycparser\)$", log, flags=re.M), log
+
+
+def test_a_stale_generated_module_is_not_used(tmp_path):
+    """Headers edited without regenerating: the import parses them (so the new constant is there) and warns."""
+    root = _package_copy(tmp_path)
+    header = root / "headers" / "amdxdna_accel.h"
+    header.write_text(header.read_text() + "\n#define AMDXDNA_PROBE_ONLY 7\n")
+    (ffi_module, pycparser, probe, _, _), log = _probe_import(root)
+    assert (ffi_module, pycparser, probe) == ("cffi.api", True, 7)
+    assert re.search(r"^WARNING amdxdna_direct\.abi .*_abi_decl\.py was generated from other headers than .*: "
+                     r"parsing the headers at import instead", log, flags=re.M), log
+    regenerated = abi.write_decl_module(root / "amdxdna_direct" / "_abi_decl.py", root / "headers")
+    assert "AMDXDNA_PROBE_ONLY" in regenerated.read_text()
+    (ffi_module, pycparser, probe, _, _), log = _probe_import(root)
+    assert (ffi_module, pycparser, probe) == ("_cffi_backend", False, 7) and "WARNING" not in log
+
+
+def test_new_reports_an_unknown_type_as_a_type_error():
+    with pytest.raises(TypeError, match=r"new\('struct no_such_struct'\): not a declared C type of known size"):
+        abi.new("struct no_such_struct")
+    with pytest.raises(TypeError, match="no field 'nope'"):
+        abi.new("struct drm_gem_close", nope=1)

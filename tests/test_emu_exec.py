@@ -748,7 +748,8 @@ def test_ddr_patch_resolves_slot_plus_arg_plus(npus, caplog):
         assert run(4096 - 32, [in_addr, out_addr], tag=3) == ERT_STATE_ERROR    # runs 32 bytes past the BO
     messages = [r.getMessage() for r in caplog.records]
     assert any("DDR_PATCH arg_idx 1 has no regmap slot (1 slots)" in m for m in messages), messages
-    assert any(f"[{in_addr + 4096 - 32:#x}, {in_addr + 4096 + 32:#x}) is outside every BO" in m for m in messages)
+    assert any(f"[{in_addr + 4096 - 32:#x}, {in_addr + 4096 + 32:#x}) runs 32 bytes past the end of SHMEM BO handle "
+               f"{bo_in} (0x1000 bytes, the access starts at offset 0xfe0)" in m for m in messages), messages
 
 
 def test_tdr_timeout_aborts_the_others_and_the_context_recovers(npus):

@@ -181,6 +181,29 @@ def test_lose_device_wakes_every_blocked_waiter():
     check_released(npu.dev)
 
 
+def test_a_wait_the_loss_itself_ends_answers_enodev():
+    """Issue 13 item 6: a WAIT_CMD blocked on a queued job, which the loss ends ABORT at once, used to return 0 (the
+    fence had signalled before the waiter looked at the device), so a runtime saw a plain ABORT. The loss is
+    reported at the wait itself: ENODEV, and the command's reason says the device was lost."""
+    npu = Npu(tdr=30.0, wait_cmd=True)
+    ctx, syncobj, gate, first, second = gated_pair(npu)
+    thread, out = in_thread(call, npu.seam, "WAIT_CMD", ctx, 0, 1)       # no timeout, seq 1: queued
+    with npu.dev.cond:
+        assert npu.dev.cond.wait_for(lambda: npu.seam.client.users == 1, 5)   # the wait is inside the driver
+    thread.join(0.05)
+    npu.dev.faults.lose_device()
+    thread.join(PROMPT_S)
+    assert len(out) == 1 and isinstance(out[0], OSError) and out[0].errno == errno.ENODEV, out
+    check_message(out[0], "WAIT_CMD")
+    assert state_of(second["cmd_addr"]) == ERT_STATE_ABORT
+    assert npu.seam.command_reason(ctx, 1) == "aborted before it ran: the device was lost"
+    gate.release.set()
+    assert wait_state(first["cmd_addr"], ERT_STATE_ABORT) == ERT_STATE_ABORT
+    npu.seam.close()
+    npu.dev.close()
+    check_released(npu.dev)
+
+
 def test_bad_munmap_fails_before_waiting(npu):
     """munmap's own EINVAL checks (unaligned address, empty range) come before any wait for the device."""
     _, syncobj, gate, first, _ = gated_pair(npu)

@@ -1,4 +1,4 @@
-"""amdxdna_direct.insts: TXN decode/encode against the mlir-aie fixtures decoded by hand (spec 2.3)."""
+"""amdxdna_direct.insts: TXN decode/encode against the mlir-aie fixtures decoded by hand (docs/xrt-sequence.md 2.3)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def pack(words: list[int]) -> bytes:
     return struct.pack(f"<{len(words)}I", *words)
 
 
-# The npu1_1col insts.bin worked out by hand from its words (spec 2.3 lists them): header 0x06030100
+# The npu1_1col insts.bin worked out by hand from its words (docs/xrt-sequence.md 2.3 lists them): header 0x06030100
 # = major 0, minor 1, devGen 3, 6 rows; 0x101 = 1 column, 1 memory-tile row; 9 ops; 328 bytes.
 BD_NPU1 = (0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000)
 NPU1_OPS = (
@@ -53,7 +53,7 @@ def test_npu1_fixture_decodes_to_the_hand_worked_ops():
 
 def test_npu2_fixture_header_values():
     s = insts.load(fixture("mlir-aie-npu2_1col/insts.bin"))
-    # header 0x06040100, 0x00000101, 8, 300 (spec 2.3)
+    # header 0x06040100, 0x00000101, 8, 300 (docs/xrt-sequence.md 2.3)
     assert (s.major, s.minor, s.dev_gen, s.rows, s.cols, s.mem_tile_rows, s.num_ops, s.size_bytes) == \
         (0, 1, 4, 6, 1, 1, 8, 300)
     assert [type(op).__name__ for op in s.ops] == [
@@ -177,6 +177,10 @@ NPU1_HEAD = [0x06030100, 0x101, 1, 40]
     ([0x06030100, 0x101, 1, 24, 0x83, 4], r"word 5: RECORD_TIMER size 4 bytes is not a multiple of 4 >= 8"),
     ([0x06030100, 0x101, 1, 24, 0x90, 0], r"word 5: custom op 0x90 size 0 bytes"),
     ([0x06030001, 0x101, 1, 20, 0x01], r"word 4: BLOCKWRITE is truncated before its size word 2"),
+    # an op of fixed length cut by the end of the stream (an IndexError before; found by test_fuzz_parsers.py)
+    ([0x06030001, 0x101, 1, 24, 0x00, 0x1D204], r"^word 4: WRITE32 of 12 bytes runs past the end of the stream "
+                                                r"\(8 bytes left\)$"),
+    ([0x06030100, 0x101, 1, 24, 0x08, 0], r"^word 4: LOADPDI of 16 bytes runs past the end of the stream \(8 bytes"),
 ])
 def test_decode_errors_name_the_word(words, message):
     for strict in (False, True):

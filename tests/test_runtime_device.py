@@ -110,9 +110,11 @@ def test_an_unsynced_input_fails_on_the_emulator_and_the_error_says_where_to_loo
             a.write(bytes(range(64)))                      # no a.sync()
             run = ctx.kernel().prepare_npu(stream, [a, b]).start()
             if fails:
-                with pytest.raises(errors.CommandError, match=r"command ERROR: EIO .*; the emulated firmware "
-                                                              r"logged why \(logger amdxdna_direct\.emu"):
+                with pytest.raises(errors.CommandError, match=r"command ERROR: EIO .*; emulated firmware: firmware "
+                                                              r"error: arg 0: .*written by the CPU after the last "
+                                                              r"sync") as info:
                     run.wait()
+                assert "SYNC_BO that range" in info.value.reason
             else:
                 assert run.wait() == 4
 

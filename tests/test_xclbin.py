@@ -1,10 +1,15 @@
-"""amdxdna_direct.xclbin against the real fixtures and the JSON files they were built from (spec 3)."""
+"""amdxdna_direct.xclbin against the real fixtures and the JSON files they were built from (docs/xrt-sequence.md 3)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
+import re
 import struct
+import time
+import tracemalloc
 import uuid as uuidlib
 
 import pytest
@@ -57,8 +62,8 @@ def test_every_fixture_parses_and_round_trips(rel):
 
 
 def test_record_layouts_taken_from_the_cdef_have_the_spec_sizes():
-    # spec 3.1-3.8: axlf prefix 0x130, header 152, section header 40, mem_data 40, connection 12, ip_data 80,
-    # aie_partition 184, aie_pdi 96, cdo_group 96; the section table starts at 0x1C8
+    # docs/xrt-sequence.md 3.1-3.8: axlf prefix 0x130, header 152, section header 40, mem_data 40, connection 12,
+    # ip_data 80, aie_partition 184, aie_pdi 96, cdo_group 96; the section table starts at 0x1C8
     sizes = [layout.size for layout in (xclbin._AXLF_PREFIX, xclbin._AXLF_HEADER, xclbin._SECTION_HEADER,
                                         xclbin._MEM_DATA, xclbin._CONNECTION, xclbin._IP_DATA, xclbin._PARTITION,
                                         xclbin._AIE_PDI, xclbin._CDO_GROUP)]
@@ -71,11 +76,11 @@ def test_record_layouts_taken_from_the_cdef_have_the_spec_sizes():
 def test_npu1_header_and_section_table_decoded_by_hand():
     raw = fixture(f"{NPU1}/aie.xclbin").read_bytes()
     x = xclbin.parse(raw)
-    # spec 3.1: uuid at 0x1A0, version bytes at 0x148 (patch u16, major, minor), m_length 9095
+    # docs/xrt-sequence.md 3.1: uuid at 0x1A0, version bytes at 0x148 (patch u16, major, minor), m_length 9095
     assert x.uuid == raw[0x1A0:0x1B0]
     assert (x.header.version, x.header.mode, x.header.platform_vbnv, x.length) == ("2.23.0", 0, "", 9095)
     assert x.header.signature_length == -1
-    # spec 3.3: mlir-aie writes exactly these kinds in this order; names as observed (spec 3.2)
+    # docs/xrt-sequence.md 3.3: mlir-aie writes exactly these kinds in this order; names as observed (3.2)
     assert [(s.kind_name, s.name) for s in x.sections] == [
         ("MEM_TOPOLOGY", "main_mem_topolo"), ("AIE_PARTITION", "main_aie_partit"), ("EMBEDDED_METADATA", ""),
         ("IP_LAYOUT", ""), ("CONNECTIVITY", ""), ("ASK_GROUP_CONNECTIVITY", ""), ("ASK_GROUP_TOPOLOGY", "")]
@@ -88,7 +93,7 @@ def test_npu1_partition_equals_main_aie_partition_json():
     x = xclbin.parse(fixture(f"{NPU1}/aie.xclbin"))
     _check_partition(x.partition, oracle(f"{NPU1}/main_aie_partition.json")["aie_partition"])
     pdi = x.partition.pdis[0]
-    # spec 3.8: 2640-byte image starting DD 00 00 00 44 33 22 11 88 77 66 55 CC BB AA 99
+    # docs/xrt-sequence.md 3.8: 2640-byte image starting DD 00 00 00 44 33 22 11 88 77 66 55 CC BB AA 99
     assert pdi.size == 2640
     assert pdi.image[:16] == bytes.fromhex("DD000000 44332211 88776655 CCBBAA99")
 
@@ -96,7 +101,7 @@ def test_npu1_partition_equals_main_aie_partition_json():
 def test_npu2_partition_equals_its_json():
     x = xclbin.parse(fixture("mlir-aie-npu2_1col/final.xclbin"))
     _check_partition(x.partition, oracle("mlir-aie-npu2_1col/main_aie_partition.json")["aie_partition"])
-    assert x.partition.pdis[0].size == 2992          # main.pdi is 2992 bytes (spec 5)
+    assert x.partition.pdis[0].size == 2992          # main.pdi is 2992 bytes (docs/xrt-sequence.md 5)
     assert x.header.version == "2.20.0"
 
 
@@ -106,7 +111,7 @@ def _check_partition(p: AiePartition, want: dict) -> None:
     assert p.ops_per_cycle == int(want["operations_per_cycle"])
     assert p.inference_fingerprint == int(want["inference_fingerprint"])
     assert p.pre_post_fingerprint == int(want["pre_post_fingerprint"])
-    assert p.name == ""   # spec 3.8: mpo_name points to an empty string even though the JSON says "QoS"
+    assert p.name == ""   # docs/xrt-sequence.md 3.8: mpo_name points to an empty string even though the JSON says "QoS"
     assert len(p.pdis) == len(want["PDIs"])
     for pdi, want_pdi in zip(p.pdis, want["PDIs"], strict=True):
         assert pdi.uuid == uuidlib.UUID(want_pdi["uuid"]).bytes
@@ -117,7 +122,7 @@ def _check_partition(p: AiePartition, want: dict) -> None:
 
 
 C_SIZES = {"uint64_t": 8, "char *": 8, "uint32_t": 4, "void*": 8}
-SUBTYPES = {"DPU": 1}        # spec 3.6: ST_DPU = 1
+SUBTYPES = {"DPU": 1}        # docs/xrt-sequence.md 3.6: ST_DPU = 1
 
 
 def test_npu1_kernel_equals_main_kernels_json():
@@ -132,7 +137,7 @@ def test_npu1_kernel_equals_main_kernels_json():
     got = [(a.name, a.index, a.offset, a.size, a.kind, a.type) for a in k.args]
     assert got == [(a["name"], i, int(a["offset"], 16), C_SIZES[a["type"]], a["address-qualifier"].lower(), a["type"])
                    for i, a in enumerate(want["arguments"])]
-    assert k.regmap_size == 0x3C                      # 15 words (spec 1.7)
+    assert k.regmap_size == 0x3C                      # 15 words (docs/xrt-sequence.md 1.7)
     assert x.kernel() == k and x.kernel("MLIR_AIE") == k
 
 
@@ -149,10 +154,10 @@ def test_npu1_mem_topology_equals_main_mem_topology_json():
 def test_npu1_ip_layout_and_connectivity():
     x = xclbin.parse(fixture(f"{NPU1}/aie.xclbin"))
     (ip,) = x.ip_layout.entries
-    # spec 3.6: type 7, properties 0x09010001, base ~0, name MLIR_AIE:MLIRAIE
+    # docs/xrt-sequence.md 3.6: type 7, properties 0x09010001, base ~0, name MLIR_AIE:MLIRAIE
     assert (ip.type, ip.properties, ip.base_address) == (7, 0x09010001, 2**64 - 1)
     assert (ip.kernel, ip.instance, ip.subtype, ip.functional, ip.kernel_id) == ("MLIR_AIE", "MLIRAIE", 1, 0, 0x901)
-    # spec 3.5: (1,0,1), (3,0,0) ... (7,0,0); the group version lists them twice
+    # docs/xrt-sequence.md 3.5: (1,0,1), (3,0,0) ... (7,0,0); the group version lists them twice
     want = [(1, 0, 1)] + [(i, 0, 0) for i in range(3, 8)]
     assert [tuple(dataclasses.astuple(c)) for c in x.connectivity.entries] == want
     group = x.section(xclbin.ASK_GROUP_CONNECTIVITY).content
@@ -163,12 +168,13 @@ def test_amd_fixtures():
     x44 = xclbin.parse(fixture("amd-npu4/preemption_4x4.xclbin"))
     x48 = xclbin.parse(fixture("amd-npu4/preemption_4x8.xclbin"))
     phx = xclbin.parse(fixture("amd-npu1/validate_throughput_phx.xclbin"))
-    # spec 5 / 3.6: kernels DPU + DPU_ELF (plus the dummy HLS vadd), column widths 4 and 8; NPU1: DPU_PDI_0, [1]
+    # docs/xrt-sequence.md 5 / 3.6: kernels DPU + DPU_ELF (plus the dummy HLS vadd), column widths 4 and 8;
+    # NPU1: DPU_PDI_0, [1]
     assert [k.name for k in x44.kernels] == ["vadd", "DPU", "DPU_ELF"]
     assert (x44.partition.column_width, x48.partition.column_width) == (4, 8)
     assert x44.header.platform_vbnv == "xilinx_v1_ipu_0_0" and x44.header.mode == 4
     assert [ip.name for ip in x44.ip_layout.entries] == ["vadd:vadd_1", "DPU:IPUV1CNN", "DPU_ELF:DPU_ELF"]
-    assert x44.kernel("DPU").args[8].offset == 0x3C  # the 9th "host" arg (spec 2.1)
+    assert x44.kernel("DPU").args[8].offset == 0x3C  # the 9th "host" arg (docs/xrt-sequence.md 2.1)
     assert x44.kernel().name == "DPU"                 # first kernel of type dpu, in xclbin order
     assert [k.name for k in phx.kernels] == ["vadd", "DPU_PDI_0"]
     assert (phx.partition.column_width, phx.partition.start_columns) == (4, (1,))
@@ -425,12 +431,125 @@ def test_connection_and_section_equality_ignore_layout():
     assert Connection(1, 0, 1) != Connection(1, 0, 0)
 
 
+# --------------------------------------------------------------------------------------------- amplification
+
+
+def overlapping_xclbin(size: int, npdi: int | None = None) -> bytes:
+    """An xclbin of ``size`` bytes, written by the project's writer, whose one AIE_PARTITION (struct patching)
+    points every array at the same bytes: ``npdi`` aie_pdi records (as many as fit half the section by
+    default) each with the whole section as its image and the same cdo_groups array, whose groups each
+    take the whole section as dpu_kernel_ids and as pre_cdo_groups, and start_columns over it too."""
+    body_size = size - xclbin._SECTION_TABLE - xclbin._SECTION_HEADER.size
+    body = bytearray(body_size)
+    n = (body_size - xclbin._PARTITION.size) // 2 // xclbin._AIE_PDI.size
+    npdi = n if npdi is None else npdi
+    pdis = xclbin._PARTITION.size
+    groups = pdis + xclbin._AIE_PDI.size * n
+    nul = body_size - 1
+    xclbin._PARTITION.pack_into(body, 0, 0, nul, 2048, 0, 0, 1, body_size // 2, 0, npdi, pdis, nul)
+    for i in range(n):
+        xclbin._AIE_PDI.pack_into(body, pdis + xclbin._AIE_PDI.size * i, bytes(16), body_size, 0, n, groups)
+        xclbin._CDO_GROUP.pack_into(body, groups + xclbin._CDO_GROUP.size * i, nul, 1, 1, body_size // 8, 0,
+                                    body_size // 4, 0)
+    x = xclbin.build_mlir_aie(b"")
+    raw = xclbin.write(dataclasses.replace(x, sections=(Section(77, "p", bytes(body)),)))
+    assert len(raw) == size
+    return _set_kind(raw, 0, xclbin.AIE_PARTITION)
+
+
+class _CountingBudget(xclbin._Budget):
+    """The parse's budget, recording the most bytes it let through (the parse's work bound)."""
+
+    seen: list[tuple[int, int]] = []
+
+    def charge(self, nbytes, where, name):
+        _CountingBudget.seen.append((self.used + nbytes, self.limit))
+        super().charge(nbytes, where, name)
+
+
+@pytest.mark.parametrize("size", [6 << 10, 40 << 10, 100 << 10])
+def test_overlapping_arrays_are_refused_within_a_budget_proportional_to_the_file(size, monkeypatch):
+    # issue 13 item 1: before the budget the 40 KB file took minutes and ran out of 8 GB; docs/files.md 5
+    raw = overlapping_xclbin(size)
+    monkeypatch.setattr(xclbin, "_Budget", _CountingBudget)
+    _CountingBudget.seen = []
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(XclbinError) as e:
+            xclbin.parse(raw)
+        seconds = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    limit = xclbin.BUDGET_FACTOR * size + xclbin.BUDGET_BYTES
+    print(f"overlapping xclbin of {size} bytes: refused in {seconds * 1e3:.1f} ms, peak {peak / 1e6:.2f} MB")
+    assert re.fullmatch(rf"AIE_PARTITION section 0: aie_pdi\[0\]\.cdo_groups\[\d+\]\.(dpu_kernel_ids|pre_cdo_groups) "
+                        rf"\(\d+ elements\) \(\d+ bytes\) brings the bytes declared by the file's sections and arrays "
+                        rf"to \d+, over the budget of {limit} for a {size}-byte file \(8 x size \+ 65536; "
+                        rf"overlapping arrays\?\)", str(e.value)), str(e.value)
+    # the work done: every byte decoded was charged first, and the parse stopped at the first charge past the
+    # limit (one array lies inside the file, so it overshoots by less than the file's size)
+    used, seen_limit = _CountingBudget.seen[-1]
+    assert seen_limit == limit and limit < used < limit + size
+    assert peak < 50 << 20
+
+
+def test_arrays_sharing_bytes_within_the_budget_parse_as_views_and_round_trip():
+    raw = overlapping_xclbin(6 << 10, npdi=2)
+    # two PDIs, 28 groups each over the same bytes: 56 groups of 5.8 KB ids are past the budget ...
+    with pytest.raises(XclbinError, match="over the budget"):
+        xclbin.parse(raw)
+    # ... one group per PDI is not: both images are views of the same input bytes (no copy)
+    off = _section_offset(raw, 0)
+    one = _patch(_patch(raw, off + 184 + 24, "<I", 1), off + 184 + 96 + 24, "<I", 1)
+    x = xclbin.parse(one)
+    a, b = x.partition.pdis
+    assert isinstance(a.image, memoryview) and a.image.obj is b.image.obj and a.image.readonly
+    assert a.image == b.image == one[off:off + len(a.image)] and a.sha256 == b.sha256
+    assert xclbin.parse(xclbin.write(x)) == x
+
+
+def test_parsed_xclbins_with_views_pickle_and_deepcopy():
+    x = xclbin.parse(xclbin.write(dataclasses.replace(
+        xclbin.build_mlir_aie(b"\x01\x02\x03\x04"),
+        sections=xclbin.build_mlir_aie(b"\x01\x02\x03\x04").sections + (Section(77, "raw", b"abc"),))))
+    assert isinstance(x.sections[-1].content, memoryview)
+    for again in (pickle.loads(pickle.dumps(x)), copy.deepcopy(x)):
+        assert again == x and again.partition.pdis[0].image == b"\x01\x02\x03\x04"
+        assert again.sections[-1].content == b"abc" and again.sections[-1].offset == x.sections[-1].offset
+
+
+def test_a_large_well_formed_xclbin_stays_far_below_the_budget():
+    image = bytes(range(256)) * 4096  # 1 MiB PDI
+    raw = xclbin.write(xclbin.build_mlir_aie(image))
+    x = xclbin.parse(raw)
+    assert x.partition.pdis[0].image == image and isinstance(x.partition.pdis[0].image, memoryview)
+    assert x == xclbin.parse(xclbin.write(x))
+
+
+def test_sections_over_the_same_bytes_count_against_the_budget():
+    x = xclbin.build_mlir_aie(b"")
+    raw = xclbin.write(dataclasses.replace(x, sections=(Section(77, "big", bytes(4000)),)))
+    count = 200
+    table = b"".join(xclbin._SECTION_HEADER.pack(77, b"dup", _section_offset(raw, 0), 4000) for _ in range(count))
+    raw = raw[:0x1C8] + table + bytes(4000)
+    raw = _patch(_patch(raw, 0x1C0, "<I", count), 0x130, "<Q", len(raw))
+    with pytest.raises(XclbinError, match=r"^kind 77 section \d+: m_sectionSize \(4000 bytes\) brings .* over the "
+                                          rf"budget of {8 * len(raw) + 65536} for a {len(raw)}-byte file"):
+        xclbin.parse(raw)
+    raw = _patch(raw, 0x1C0, "<I", 20)
+    x = xclbin.parse(raw)
+    assert len(x.sections) == 20 and all(isinstance(s.content, memoryview) and len(s.content) == 4000
+                                         for s in x.sections)
+
+
 # --------------------------------------------------------------------------------------------- fuzzing
 
 
 def _structural_offsets(raw: bytes) -> list[int]:
     """Byte offsets of the header, the section table, and the first and last 200 bytes of every section
-    (AIE_PARTITION keeps its aie_pdi and cdo_group records at the end, spec 3.8)."""
+    (AIE_PARTITION keeps its aie_pdi and cdo_group records at the end, docs/xrt-sequence.md 3.8)."""
     count = struct.unpack_from("<I", raw, 0x1C0)[0]
     spots = list(range(0x128, 0x1C8 + 40 * count))
     for i in range(count):

@@ -234,7 +234,7 @@ class BoIoctls:
                 more_heaps=tuple(chunks[1:]), heap_offset=offset, xdna_addr=AIE2_DEVM_BASE + offset,
                 vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal, fd_memory=memory,
                 view=device, view_offset=offset)
-        memory.dev_bos[offset] = bo
+        memory.add_dev_bo(bo)
         self.live_bos += 1
         return bo
 

@@ -11,7 +11,7 @@ from .buffers import DEV_HEAP_CHUNK
 from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, Bo
 from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
 
-log = logging.getLogger("amdxdna_direct.emu")
+log = logging.getLogger(__name__)
 
 CTX_INTERNAL_BOS = 4                # command-list buffers taken from the heap per context (spec 4.1 step 4)
 CTX_INTERNAL_BO_SIZE = 4096
@@ -102,6 +102,7 @@ class ContextIoctls:
         handle = client.next_ctx_handle()
         if handle is None:
             raise fail(errno.EBUSY, op, f"all {MAX_HWCTX_ID} context handles of this fd are live")
+        self.forget_failures(client, handle)     # a reused handle starts a new seq space
         syncobj_handle = Client.lowest_free(client.syncobjs)
         timeline = Timeline()
         client.syncobjs[syncobj_handle] = timeline

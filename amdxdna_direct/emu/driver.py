@@ -37,7 +37,7 @@ from .profiles import DEFAULT_PROFILE, PROFILES, Profile
 from .queries import POWER_MODE_DEFAULT, POWER_MODE_HIGH, POWER_MODE_TURBO, QueryIoctls
 from .submit import WAIT_SLICE_S, SubmitIoctls
 
-log = logging.getLogger("amdxdna_direct.emu")
+log = logging.getLogger(__name__)
 
 # --- _IOC request layout (asm-generic/ioctl.h; spec 1) ---
 IOC_NRBITS, IOC_TYPEBITS, IOC_SIZEBITS = 8, 8, 14
@@ -52,6 +52,7 @@ DRM_COMMAND_BASE = 0x40
 # --- device constants ---
 DRM_VMA_OFFSET_START = 0x100000 << 12   # DRM_FILE_PAGE_OFFSET_START: fake mmap offsets begin at 4 GiB
 CLOSE_DRAIN_S = 10.0                # EmuDevice.close waits this long for ioctls still running on its fds
+FAILURES_KEPT = 256                 # failed commands whose reason EmuDevice.command_reason still answers
 
 
 # =====================================================================================================
@@ -143,6 +144,17 @@ class Faults:
 # =====================================================================================================
 # The device
 # =====================================================================================================
+
+@dataclass(frozen=True)
+class Failure:
+    """The firmware's record of one failed command (docs/emulator.md, "Why a command failed")."""
+
+    client: Client
+    hwctx: int
+    seq: int
+    state: int
+    reason: str
+
 
 @dataclass(frozen=True)
 class IoctlDef:
@@ -252,6 +264,43 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         self.models = self.firmware.models
         self.closing = False            # close() started: blocked ioctls give up (ENODEV)
         self.closed = False
+        self.failures: collections.deque[Failure] = collections.deque(maxlen=FAILURES_KEPT)
+
+    # --- why a command failed (docs/emulator.md, "Why a command failed") ---
+
+    def command_reason(self, hwctx: int, seq: int, seam: EmuSeam | None = None) -> str | None:
+        """The emulated firmware's reason for the failure of command `seq` of context `hwctx`, or None.
+
+        Kept for the last FAILURES_KEPT failed commands of the device (any state but COMPLETED: ERROR, ABORT,
+        TIMEOUT, and NEW for a packet the driver refused), from before the command's fence signals, so a wait
+        that returns finds it. Context handles are per fd: give the `seam` the context belongs to (as
+        ``EmuSeam.command_reason`` does); without one, the newest record of any fd with that handle and seq.
+        A record goes when its fd is released or a new context of the fd reuses the handle.
+
+        Raises:
+            TypeError: `hwctx` or `seq` is not an int, or `seam` is not an EmuSeam of this device.
+        """
+        hwctx, seq = _ints("command_reason", hwctx=hwctx, seq=seq)
+        if seam is not None and (not isinstance(seam, EmuSeam) or seam.device is not self):
+            raise TypeError(f"command_reason: seam must be an EmuSeam of this device, got {type(seam).__name__}")
+        with self.lock:
+            for failure in reversed(self.failures):
+                if (failure.hwctx == hwctx and failure.seq == seq
+                        and (seam is None or failure.client is seam.client)):
+                    return failure.reason
+        return None
+
+    def record_failure(self, job, state: int, reason: str) -> None:
+        """Keep the reason of a failed job (the firmware calls this before the job completes)."""
+        with self.lock:
+            self.failures.append(Failure(job.ctx.fd, job.ctx.handle, job.seq, state, reason))
+
+    def forget_failures(self, client: Client, hwctx: int | None = None) -> None:
+        """Drop the records of `client` (of its context handle `hwctx` only, when given)."""
+        with self.lock:
+            kept = [f for f in self.failures if not (f.client is client and hwctx in (None, f.hwctx))]
+            if len(kept) != len(self.failures):
+                self.failures = collections.deque(kept, maxlen=FAILURES_KEPT)
 
     # --- life cycle ---
 
@@ -326,8 +375,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         [addr, addr+length), as the MMU notifier waits on the BO's fences (spec 7). A lost or closing device
         ends the wait: its jobs end without resolving addresses. Returns whether it waited."""
         with self.lock:
-            mapped = {id(bo) for start, (size, bo, _) in client.memory.mappings.items()
-                      if start < addr + length and addr < start + size}
+            mapped = {id(bo) for _, _, bo, _ in client.memory.overlapping(addr, length)}
             fences = [job.fence for ctx in self.contexts for job in ctx.jobs.values()
                       if any(id(bo) in mapped for bo in job.arg_bos)]
             waited = False
@@ -348,7 +396,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             if bo.heap is not None:
                 memory = bo.fd_memory
                 memory.allocator.free(bo.heap_offset)
-                memory.dev_bos.pop(bo.heap_offset, None)
+                memory.remove_dev_bo(bo.heap_offset)
                 bo.released = True
                 for heap in (bo.heap, *bo.more_heaps):
                     self.unref_bo(heap)
@@ -478,6 +526,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             client.memory.heaps.clear()
             if client.memory.window is not None:
                 client.memory.window.close()
+            self.forget_failures(client)
             self.clients.remove(client)
             self.cond.notify_all()
 
@@ -608,6 +657,15 @@ class EmuSeam:
             usermem.munmap(addr, length)
             for _, _, bo in self.client.memory.remove_range(addr, length_pages):
                 dev.unref_bo(bo)
+
+    def command_reason(self, hwctx: int, seq: int) -> str | None:
+        """Why command `seq` of this fd's context `hwctx` failed, in the emulated firmware's words, or None
+        (EmuDevice.command_reason; docs/emulator.md, "Why a command failed").
+
+        Raises:
+            TypeError: `hwctx` or `seq` is not an int.
+        """
+        return self.device.command_reason(hwctx, seq, self)
 
     def close(self) -> None:
         """Close the fd: every context of it is destroyed, its handles dropped (idempotent)."""

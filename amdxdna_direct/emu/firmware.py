@@ -1,7 +1,8 @@
 """The emulated firmware: runs the jobs EXEC_CMD queued, asynchronously, and reports as the driver does.
 
 Each hardware context gets a lane: a worker thread that takes the context's jobs in submission
-order (so they complete in order) and an engine thread that runs kernel models. A job goes
+order (so they complete in order) and an engine thread that runs kernel models (a small model that only
+computes runs on the worker itself: docs/emulator.md, "Lookups, hand-off and BLAS threads"). A job goes
 through two phases, mirroring the driver's run_job and the firmware:
 
 * driver checks (spec/amdxdna-uapi.md 6.1-6.5): the packet header, the opcode, the CU mask, the
@@ -20,6 +21,7 @@ calls its model once abandoned, so nothing is written after TDR.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import struct
@@ -30,11 +32,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import txn
+from . import blas, txn
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault
 from .models import Model, ModelRegistry, model_name, stream_digest
 
-logger = logging.getLogger("amdxdna_direct.emu")
+logger = logging.getLogger(__name__)
 
 # ERT opcodes and states (spec 3, "Kernel-internal").
 ERT_START_CU = 0
@@ -67,6 +69,9 @@ DESTROY_GRACE_S = 2.0                   # DESTROY_HWCTX waits this long for the 
 # A running model must burn at least this share of the TDR period in CPU to count as progress.
 PROGRESS_SHARE = 0.05
 PROGRAM_CACHE = 1024                    # walked streams kept by digest
+# A model that only computes (Model.compute_only) runs on the worker itself when its extents total at most this
+# many bytes: a handful of microseconds of work, less than the hand-off to the engine and back costs.
+INLINE_BYTES = 1 << 20
 
 # Marks the firmware's own threads (workers, engines, async aborts): the driver never lets them block on a
 # job's fence (a finalizer's munmap run by the garbage collector on one of them would wait for itself).
@@ -178,6 +183,7 @@ class _Outcome:
     error_index: int | None = None
     fill: Bo | None = None
     txn_op_idx: int = 0xFFFFFFFF
+    reason: str | None = None           # the firmware's message for a failed command (EmuDevice.command_reason)
 
 
 class _Task:
@@ -185,21 +191,33 @@ class _Task:
 
     def __init__(self, model: Model | None, args: dict[int, np.ndarray], hang: bool):
         self.model, self.args, self.hang = model, args, hang
-        self.release = threading.Event()
+        self.release = threading.Event() if hang else None      # ends an injected hang (only a hang waits on it)
         self.done = False
         self.abandoned = False
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        if self.hang:
+        """Run on an engine, as one more BLAS user beside the host (docs/emulator.md, "BLAS threads")."""
+        if self.release is not None:
             self.release.wait()
         # An abandoned task (TDR or teardown) must not touch the buffers any more.
         if not self.abandoned and self.model is not None:
-            self.model(self.args)
+            with blas.limited():
+                self.model(self.args)
+
+    def run_inline(self) -> None:
+        """Run on the worker itself (a small compute-only model); the error is kept as the engine keeps it."""
+        try:
+            if not self.abandoned and self.model is not None:
+                self.model(self.args)
+        except BaseException as exc:  # reported by the worker as the command's failure
+            self.error = exc
+        self.done = True
 
     def abandon(self) -> None:
         self.abandoned = True
-        self.release.set()
+        if self.release is not None:
+            self.release.set()
 
 
 class _Engine:
@@ -272,6 +290,8 @@ class Firmware:
         self._faults: dict[str, dict[str, int]] = {"hang": {}, "error": {}}
         self._programs: dict[str, txn.TxnProgram] = {}     # digest -> walked stream (streams are immutable)
         self._stopped = False
+        self.inline_bytes = INLINE_BYTES    # compute-only models with extents up to this run on the worker
+        self.runs: collections.Counter[str] = collections.Counter()     # model runs: "inline" / "engine"
 
     # -- fault injection -------------------------------------------------------------------------
 
@@ -351,7 +371,17 @@ class Firmware:
                 lane.jobs.clear()
                 lane.cond.notify_all()
         for job in queued:
-            self._end(job, _Outcome(ERT_CMD_STATE_ABORT))
+            self._end(job, _Outcome(ERT_CMD_STATE_ABORT, reason=self._abort_reason("before it ran")))
+
+    def _abort_reason(self, when: str) -> str:
+        """Why a job ends ABORT without a failure of its own: the device went, or its context did."""
+        if self.device.lost:
+            cause = "the device was lost"
+        elif self._stopped or self.device.closing:
+            cause = "the emulated device was closed"
+        else:
+            cause = "its hardware context was destroyed"
+        return f"aborted {when}: {cause}"
 
     def _start_lane(self, ctx) -> _Lane:
         lane = _Lane()
@@ -374,8 +404,8 @@ class Firmware:
 
     def _end_async(self, job) -> None:
         # A job for a context already torn down: ABORT, off the submitting thread (it may hold driver locks).
-        threading.Thread(target=_firmware_thread, args=(self._end, job, _Outcome(ERT_CMD_STATE_ABORT)),
-                         daemon=True).start()
+        outcome = _Outcome(ERT_CMD_STATE_ABORT, reason=self._abort_reason("at submission"))
+        threading.Thread(target=_firmware_thread, args=(self._end, job, outcome), daemon=True).start()
 
     # -- the worker ------------------------------------------------------------------------------
 
@@ -383,14 +413,16 @@ class Firmware:
         while (job := self._next_job(lane)) is not None:
             try:
                 outcome = self._execute(lane, job)
-            except Exception:
+            except Exception as exc:
                 # An emulator defect must not wedge the context: report it and answer as a bad response.
                 logger.exception("%s: internal firmware failure, command ends ABORT", _job_name(job))
-                outcome = _Outcome(ERT_CMD_STATE_ABORT)
+                outcome = _Outcome(ERT_CMD_STATE_ABORT, reason=f"internal emulator failure: {type(exc).__name__}: "
+                                                               f"{exc}")
             aborted = self._restart(lane) if outcome.state == ERT_CMD_STATE_TIMEOUT else []
             self._end(job, outcome)
             for other in aborted:
-                self._end(other, _Outcome(ERT_CMD_STATE_ABORT))
+                self._end(other, _Outcome(ERT_CMD_STATE_ABORT, reason=f"aborted: the TDR reset the context after seq "
+                                                                      f"{job.seq} timed out"))
             with lane.cond:
                 lane.running = None
                 lane.cond.notify_all()
@@ -405,7 +437,7 @@ class Firmware:
             pending = list(lane.jobs)
             lane.jobs.clear()
         for job in pending:
-            self._end(job, _Outcome(ERT_CMD_STATE_ABORT))
+            self._end(job, _Outcome(ERT_CMD_STATE_ABORT, reason=self._abort_reason("before it ran")))
         return None
 
     def _restart(self, lane: _Lane) -> list:
@@ -424,17 +456,22 @@ class Firmware:
             dispatches = self._dispatches(job, packet)
         except MalformedCommand as exc:
             logger.warning("%s: malformed command, state left NEW: %s", _job_name(job), exc)
-            return _Outcome(ERT_CMD_STATE_NEW)
+            return _Outcome(ERT_CMD_STATE_NEW, reason=f"malformed command (the driver left it NEW): {exc}")
         chain = packet.opcode == ERT_CMD_CHAIN
         for index, dispatch in enumerate(dispatches):
-            state, op_idx = self._run_dispatch(lane, job, dispatch)
+            state, op_idx, reason = self._run_dispatch(lane, job, dispatch)
             if state != ERT_CMD_STATE_COMPLETED:
-                return _Outcome(state, index if chain else None, dispatches[0].bo, op_idx)
+                if chain:
+                    reason = f"chain sub-command {index} (CMD BO handle {dispatch.bo.handle}): {reason}"
+                return _Outcome(state, index if chain else None, dispatches[0].bo, op_idx, reason)
         return _Outcome(ERT_CMD_STATE_COMPLETED)
 
     def _end(self, job, outcome: _Outcome) -> None:
         """Write the outcome into the command BO(s) and complete the job (exactly once per job)."""
         try:
+            if outcome.state != ERT_CMD_STATE_COMPLETED:
+                # Kept before the fence signals: a waiter woken by it finds the reason (EmuDevice.command_reason).
+                job.device.record_failure(job, outcome.state, outcome.reason or "no reason recorded")
             if outcome.state in _FAILED_STATES:
                 self._report_failure(job, outcome)
             _set_state(job.cmd_bo.mem, outcome.state)
@@ -526,41 +563,48 @@ class Firmware:
 
     # -- firmware execution ----------------------------------------------------------------------
 
-    def _run_dispatch(self, lane: _Lane, job, dispatch: Dispatch) -> tuple[int, int]:
-        """Run one kernel start -> (state, txn_op_idx for the health record)."""
+    def _run_dispatch(self, lane: _Lane, job, dispatch: Dispatch) -> tuple[int, int, str | None]:
+        """Run one kernel start -> (state, txn_op_idx for the health record, the reason of a failure)."""
         try:
             work = self._prepare(job, dispatch)
         except (FirmwareError, DeviceFault, txn.TxnError) as exc:
-            logger.error("%s: firmware error: %s", _job_name(job), exc)
-            return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
+            return self._failed(job, f"firmware error: {exc}")
         fault = self._take_fault(work.digest)
         if fault == "error":
-            logger.error("%s: injected firmware error for stream %s", _job_name(job), work.digest)
-            return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
+            return self._failed(job, f"injected firmware error for stream {work.digest}")
         if work.model is None and fault is None:
-            logger.error("%s: no model bound to instruction stream sha256 %s", _job_name(job), work.digest)
-            return ERT_CMD_STATE_ERROR, 0xFFFFFFFF
+            return self._failed(job, f"no model bound to instruction stream sha256 {work.digest}")
         task = _Task(work.model, work.args, hang=fault == "hang")
-        verdict = self._await(lane, task)
+        inline = fault is None and _runs_inline(work, self.inline_bytes)
+        self.runs["inline" if inline else "engine"] += 1
+        verdict = self._inline(lane, task) if inline else self._await(lane, task)
         if verdict == "done":
             self._record_writes(job, work)
         if verdict == "hung":
-            logger.error("%s: TDR: stream %s made no progress for %.3g s", _job_name(job), work.digest,
-                         self.tdr_timeout)
-            return ERT_CMD_STATE_TIMEOUT, work.program.last_sync_index
+            reason = f"TDR: stream {work.digest} made no progress for {self.tdr_timeout:.3g} s"
+            logger.error("%s: %s", _job_name(job), reason)
+            return ERT_CMD_STATE_TIMEOUT, work.program.last_sync_index, reason
         if verdict == "closed":
-            return ERT_CMD_STATE_ABORT, 0xFFFFFFFF
-        return self._model_state(job, work, task.error), 0xFFFFFFFF
+            return ERT_CMD_STATE_ABORT, 0xFFFFFFFF, self._abort_reason("while its model ran")
+        if task.error is None:
+            return ERT_CMD_STATE_COMPLETED, 0xFFFFFFFF, None
+        return ERT_CMD_STATE_ERROR, 0xFFFFFFFF, self._model_failure(job, work, task.error)
 
-    def _model_state(self, job, work: Work, error: BaseException | None) -> int:
-        if error is None:
-            return ERT_CMD_STATE_COMPLETED
+    @staticmethod
+    def _failed(job, reason: str) -> tuple[int, int, str]:
+        logger.error("%s: %s", _job_name(job), reason)
+        return ERT_CMD_STATE_ERROR, 0xFFFFFFFF, reason
+
+    @staticmethod
+    def _model_failure(job, work: Work, error: BaseException) -> str:
+        """Log a model's failure; the reason names the model and its message."""
+        name = model_name(work.model)
         if isinstance(error, DeviceFault):
-            logger.error("%s: device fault in %s: %s", _job_name(job), model_name(work.model), error)
-        else:
-            logger.error("%s: model %s raised", _job_name(job), model_name(work.model),
-                         exc_info=error)
-        return ERT_CMD_STATE_ERROR
+            reason = f"device fault in {name}: {error}"
+            logger.error("%s: %s", _job_name(job), reason)
+            return reason
+        logger.error("%s: model %s raised", _job_name(job), name, exc_info=error)
+        return f"model {name} raised {type(error).__name__}: {error}"
 
     def _prepare(self, job, dispatch: Dispatch) -> Work:
         """Read what the dispatch runs from device memory: PDI, instructions, argument extents (under the driver's
@@ -624,6 +668,19 @@ class Firmware:
                 self._programs[digest] = program
         return program
 
+    @staticmethod
+    def _inline(lane: _Lane, task: _Task) -> str:
+        """Run a small compute-only model on the worker -> "done", or "closed" when the lane was torn down (or the
+        device lost) while it ran. Nothing to watch: a model that computes is never timed out (TDR)."""
+        with lane.cond:
+            lane.task = task
+        try:
+            task.run_inline()
+        finally:
+            with lane.cond:
+                lane.task = None
+        return "closed" if task.abandoned else "done"
+
     def _await(self, lane: _Lane, task: _Task) -> str:
         """Run a task on the lane's engine -> "done", "hung" (TDR) or "closed" (context torn down)."""
         engine = lane.engine
@@ -652,6 +709,12 @@ class Firmware:
                     return "closed" if lane.closing else "hung"
                 last, deadline = now, time.monotonic() + self.tdr_timeout
             return "closed" if task.abandoned else "done"
+
+
+def _runs_inline(work: Work, limit: int) -> bool:
+    """Whether the dispatch's model may run on the worker: it says it only computes, and its buffers are small."""
+    return (getattr(work.model, "compute_only", False) is True
+            and sum(extent.length for extent in work.extents) <= limit)
 
 
 def _txn_dev_gen(device) -> int:
@@ -728,7 +791,13 @@ def _patched_extents(memory, program: txn.TxnProgram, slots: dict[int, int]) -> 
             raise FirmwareError(f"TXN op {patch.op_index}: DDR_PATCH arg_idx {patch.arg_idx} has no regmap slot "
                                 f"({len(slots)} slots)")
         start = slots[patch.arg_idx] + patch.arg_plus
-        memory.resolve(start, patch.length)
+        try:
+            memory.resolve(start, patch.length)
+        except DeviceFault as exc:
+            # The BD's whole transfer must stay in the BO its address resolves to (docs/emulator.md, "DMA extents").
+            raise DeviceFault(f"arg {patch.arg_idx}: the DMA of TXN op {patch.op_index} (DDR_PATCH of shim BD "
+                              f"{patch.bd}, column {patch.col}: {patch.length} bytes at regmap slot "
+                              f"{slots[patch.arg_idx]:#x} + arg_plus {patch.arg_plus}) faults: {exc}") from exc
         lo, hi = extents.get(patch.arg_idx, (start, start + patch.length))
         extents[patch.arg_idx] = (min(lo, start), max(hi, start + patch.length))
         directions = program.directions(patch)

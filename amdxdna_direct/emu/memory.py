@@ -15,6 +15,7 @@ SVA, <= 7.0). Anything else is a ``DeviceFault``, which fails the command like a
 
 from __future__ import annotations
 
+import bisect
 import mmap as _mmap
 import os
 import threading
@@ -202,15 +203,23 @@ class HeapWindow:
 
 
 class Memory:
-    """The BO address spaces of one fd: its heap chunks, DEV placements and live user mappings."""
+    """The BO address spaces of one fd: its heap chunks, DEV placements and live user mappings.
+
+    Lookups are O(log n) in the number of mappings and DEV BOs: beside each table a sorted list of its start
+    addresses is kept in step with it (``bisect``), as neither kind of range overlaps another of its kind
+    (a new mapping replaces what it covers; DEV BOs are disjoint heap placements).
+    """
 
     def __init__(self, lock: threading.RLock):
         self._lock = lock
         self.heaps: list[Bo] = []                         # DEV_HEAP chunks in device-address order
         self.window: HeapWindow | None = None             # expandable heap only
         self.allocator: HeapAllocator | None = None
-        self.dev_bos: dict[int, Bo] = {}                  # heap offset -> DEV BO
+        self.dev_bos: dict[int, Bo] = {}                  # heap offset -> DEV BO (add_dev_bo / remove_dev_bo)
+        self._dev_starts: list[int] = []                  # sorted keys of dev_bos
         self.mappings: dict[int, tuple[int, Bo, int]] = {}    # user VA -> (length, BO, offset in BO)
+        self._map_starts: list[int] = []                  # sorted keys of mappings
+        self.lookups = 0                                  # resolve calls (bench/bench_emulator.py counts them)
 
     @property
     def heap(self) -> Bo | None:
@@ -219,13 +228,56 @@ class Memory:
 
     @property
     def heap_size(self) -> int:
-        """Bytes of device window covered by heap chunks."""
-        return sum(chunk.size for chunk in self.heaps)
+        """Bytes of device window covered by heap chunks (laid end to end from 0x4000000: the last one's end)."""
+        if not self.heaps:
+            return 0
+        last = self.heaps[-1]
+        return last.xdna_addr - AIE2_DEVM_BASE + last.size
+
+    # -- tables --
+
+    def add_dev_bo(self, bo: Bo) -> None:
+        """Record a DEV BO placed at `bo.heap_offset` of the heap window."""
+        with self._lock:
+            if bo.heap_offset not in self.dev_bos:
+                bisect.insort(self._dev_starts, bo.heap_offset)
+            self.dev_bos[bo.heap_offset] = bo
+
+    def remove_dev_bo(self, offset: int) -> None:
+        """Forget the DEV BO at heap offset `offset` (no-op when none is there)."""
+        with self._lock:
+            if self.dev_bos.pop(offset, None) is not None:
+                del self._dev_starts[bisect.bisect_left(self._dev_starts, offset)]
 
     def add_mapping(self, addr: int, length: int, bo: Bo) -> None:
-        """Record a live user mapping of `bo` (the VA the device uses for SHMEM BOs under SVA)."""
+        """Record a live user mapping of `bo` (the VA the device uses for SHMEM BOs under SVA).
+
+        The caller has removed whatever mapping overlapped [addr, addr+length) first (remove_range).
+        """
+        self._put(addr, length, bo, 0)
+
+    def _put(self, addr: int, length: int, bo: Bo, bo_offset: int) -> None:
+        if addr not in self.mappings:
+            bisect.insort(self._map_starts, addr)
+        self.mappings[addr] = (length, bo, bo_offset)
+
+    def _drop(self, addr: int) -> None:
+        del self.mappings[addr]
+        del self._map_starts[bisect.bisect_left(self._map_starts, addr)]
+
+    def overlapping(self, addr: int, length: int) -> list[tuple[int, int, Bo, int]]:
+        """(start, length, bo, offset in bo) of every mapping overlapping [addr, addr+length), in address order."""
         with self._lock:
-            self.mappings[addr] = (length, bo, 0)
+            starts = self._map_starts
+            index = max(bisect.bisect_right(starts, addr) - 1, 0)
+            found = []
+            while index < len(starts) and starts[index] < addr + length:
+                start = starts[index]
+                size, bo, bo_offset = self.mappings[start]
+                if start + size > addr:
+                    found.append((start, size, bo, bo_offset))
+                index += 1
+            return found
 
     def remove_range(self, addr: int, length: int) -> list[tuple[int, int, Bo]]:
         """Forget mappings overlapping [addr, addr+length).
@@ -235,42 +287,75 @@ class Memory:
         """
         removed = []
         with self._lock:
-            for start, (size, bo, bo_offset) in list(self.mappings.items()):
+            for start, size, bo, bo_offset in self.overlapping(addr, length):
                 lo, hi = max(start, addr), min(start + size, addr + length)
-                if lo >= hi:
-                    continue
-                del self.mappings[start]
+                self._drop(start)
                 removed.append((lo, hi - lo, bo))
                 if start < lo:
-                    self.mappings[start] = (lo - start, bo, bo_offset)
+                    self._put(start, lo - start, bo, bo_offset)
                     bo.refs += 1
                 if hi < start + size:
-                    self.mappings[hi] = (start + size - hi, bo, bo_offset + hi - start)
+                    self._put(hi, start + size - hi, bo, bo_offset + hi - start)
                     bo.refs += 1
         return removed
+
+    # -- device-address resolution --
 
     def resolve(self, addr: int, length: int) -> tuple[Bo, int]:
         """Find the BO a device access [addr, addr+length) lands in: (bo, offset in bo).
 
+        The BO is the one holding the first byte; the access must end inside it (a DMA running past a BO's
+        edge faults, as the IOMMU does there, rather than reaching the neighbour: docs/emulator.md, "DMA
+        extents").
+
         Raises:
-            DeviceFault: the range is not inside one BO (heap window or a live SHMEM mapping).
+            DeviceFault: no BO holds `addr` (heap window or a live SHMEM mapping), or the access runs past the
+                end of the BO (or of the mapping) that holds it.
         """
         with self._lock:
-            if self.heaps and AIE2_DEVM_BASE <= addr and addr + length <= AIE2_DEVM_BASE + self.heap_size:
-                return self._resolve_heap(addr - AIE2_DEVM_BASE, length)
-            for start, (size, bo, bo_offset) in self.mappings.items():
-                if start <= addr and addr + length <= start + size:
-                    return bo, bo_offset + addr - start
+            self.lookups += 1
+            if self.heaps and AIE2_DEVM_BASE <= addr < AIE2_DEVM_BASE + self.heap_size:
+                return self._resolve_heap(addr, length)
+            index = bisect.bisect_right(self._map_starts, addr) - 1
+            if index >= 0:
+                start = self._map_starts[index]
+                size, bo, bo_offset = self.mappings[start]
+                if addr < start + size:
+                    offset = bo_offset + addr - start
+                    _check_edge(addr, length, bo, offset, start + size - addr, "its user mapping")
+                    return bo, offset
         raise DeviceFault(f"device access [{addr:#x}, {addr + length:#x}) is outside every BO")
 
-    def _resolve_heap(self, offset: int, length: int) -> tuple[Bo, int]:
-        for start, bo in self.dev_bos.items():
-            if start <= offset and offset + length <= start + bo.size:
+    def _resolve_heap(self, addr: int, length: int) -> tuple[Bo, int]:
+        offset = addr - AIE2_DEVM_BASE
+        index = bisect.bisect_right(self._dev_starts, offset) - 1
+        if index >= 0:
+            start = self._dev_starts[index]
+            bo = self.dev_bos[start]
+            if offset < start + bo.size:
+                _check_edge(addr, length, bo, offset - start, None, None)
                 return bo, offset - start
         for chunk in self.heaps:
             start = chunk.xdna_addr - AIE2_DEVM_BASE
-            if start <= offset and offset + length <= start + chunk.size:
-                return chunk, offset - start
-        # Only a DEV BO gives a view across chunks; a raw access straddling two chunks is not modelled.
-        raise DeviceFault(f"heap access [{offset:#x}, {offset + length:#x}) straddles heap chunks outside a DEV BO")
+            if start <= offset < start + chunk.size:
+                if offset + length <= start + chunk.size:
+                    return chunk, offset - start
+                break
+        # Only a DEV BO gives a view across chunks; a raw access past its chunk is a fault.
+        raise DeviceFault(f"heap access [{addr:#x}, {addr + length:#x}) runs past its heap chunk outside a DEV BO")
 
+
+def _check_edge(addr: int, length: int, bo: Bo, offset: int, mapped: int | None, what: str | None) -> None:
+    """Fault an access of `length` bytes at `offset` of `bo` that ends past the BO (or past `mapped` bytes).
+
+    Raises:
+        DeviceFault: naming the access, the BO's type, handle and size, and by how many bytes it overruns.
+    """
+    if offset + length > bo.size:
+        raise DeviceFault(f"device access [{addr:#x}, {addr + length:#x}) runs {offset + length - bo.size} bytes "
+                          f"past the end of {bo.kind_name} BO handle {bo.handle} ({bo.size:#x} bytes, the access "
+                          f"starts at offset {offset:#x})")
+    if mapped is not None and length > mapped:
+        raise DeviceFault(f"device access [{addr:#x}, {addr + length:#x}) runs {length - mapped} bytes past the end "
+                          f"of {what} of {bo.kind_name} BO handle {bo.handle} (the rest of the BO is not mapped "
+                          f"there)")

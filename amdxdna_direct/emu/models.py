@@ -37,6 +37,11 @@ class Model(Protocol):
         """Run on `args` (arg_idx -> writable uint8 view of the BD extent); raise DeviceFault on a fault."""
 
 
+# A model class may set ``compute_only = True``: it only computes on its buffers (it never waits for anything),
+# so the firmware may run a small dispatch of it on the context's worker instead of handing it to the engine
+# (docs/emulator.md, "Hand-off"). Every built-in model does; a model without the attribute always runs on the engine.
+
+
 def stream_digest(stream: bytes | bytearray | memoryview | str) -> str:
     """The registry key of an instruction stream: sha256 hex of its bytes, or a sha256 hex string as given.
 
@@ -141,6 +146,7 @@ class Passthrough:
     """Copies the buffer of the lowest arg_idx into the highest (the mlir-aie passthrough designs)."""
 
     name = "passthrough"
+    compute_only = True
 
     def __call__(self, args: dict[int, np.ndarray]) -> None:
         """Copy min(len(src), len(dst)) bytes.
@@ -211,6 +217,7 @@ class Gemm:
         self.b_layout = b_layout
         self._kind, self._params = _parse_layout(b_layout, k, n, lda)
         self.name = f"gemm {m}x{k}x{n} lda={lda} {b_layout}"
+        self.compute_only = True
 
     @property
     def a_bytes(self) -> int:
@@ -268,6 +275,7 @@ class Mha:
         _positive(heads=heads, seq=seq, d=d)
         self.heads, self.seq, self.d = heads, seq, d
         self.name = f"mha heads={heads} seq={seq} d={d}"
+        self.compute_only = True
 
     @property
     def nbytes(self) -> int:
@@ -353,6 +361,7 @@ class Elementwise:
                 raise ValueError(f"layernorm needs n > 0 dividing elems={elems}, got n={n!r}")
         self.fn, self.elems, self.eps, self.n = fn, elems, eps, n
         self.name = f"{fn} elems={elems}"
+        self.compute_only = True
 
     def __call__(self, args: dict[int, np.ndarray]) -> None:
         """Compute the output in place.

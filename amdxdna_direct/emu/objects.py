@@ -19,7 +19,7 @@ from .memory import Bo, HeapAllocator, Memory
 if TYPE_CHECKING:
     from .driver import EmuDevice
 
-log = logging.getLogger("amdxdna_direct.emu")
+log = logging.getLogger(__name__)
 
 MAX_HWCTX_ID = 255                  # per-fd cyclic context handles 1..255 (spec 4.1 step 9)
 ERT_STATE_COMPLETED = 4

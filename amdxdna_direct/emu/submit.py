@@ -119,19 +119,22 @@ class SubmitIoctls:
         """Wait on the device condition (lock held) until `predicate()` or `deadline` (time.monotonic).
 
         Raises:
-            OSError: ENODEV when EmuDevice.close starts or the device is lost meanwhile (rule D5).
+            OSError: ENODEV when EmuDevice.close starts or the device is lost meanwhile (rule D5), also when the
+                loss itself ended the awaited jobs (ABORT): the waiter learns of the loss at the wait
+                (docs/emulator.md, Threads).
         """
-        while not predicate():
+        while True:
             if self.closing:
                 raise fail(errno.ENODEV, op, "the emulated device was closed while waiting")
             if self.lost:
                 raise fail(errno.ENODEV, op, "device lost while waiting (drm_dev_is_unplugged)")
+            if predicate():
+                return True
             remaining = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False
             # Sliced: INT64_MAX ns deadlines exceed threading.TIMEOUT_MAX; the loop re-checks anyway.
             self.cond.wait(min(remaining, WAIT_SLICE_S))
-        return True
 
     # --- syncobjs (spec 5, rule D8) ---
 

@@ -13,6 +13,9 @@ import errno
 import os
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# The user copies hold the GIL (a PyDLL call does not release it): a copy of a few bytes of our own memory takes a
+# microsecond, while releasing and re-taking the GIL lets the firmware threads in and costs tens (bench_emulator.py).
+_libc_gil = ctypes.PyDLL(None)
 
 
 class _iovec(ctypes.Structure):
@@ -20,7 +23,7 @@ class _iovec(ctypes.Structure):
 
 
 for _name in ("process_vm_readv", "process_vm_writev"):
-    _fn = getattr(_libc, _name)
+    _fn = getattr(_libc_gil, _name)
     _fn.restype = ctypes.c_ssize_t
     _fn.argtypes = [ctypes.c_int, ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.POINTER(_iovec), ctypes.c_ulong,
                     ctypes.c_ulong]
@@ -60,7 +63,7 @@ def read(addr: int, length: int, what: str = "copy_from_user") -> bytes:
         UserFault: (EFAULT) the range is not readable, or `addr` is 0.
     """
     buf = ctypes.create_string_buffer(max(length, 1))
-    _transfer(_libc.process_vm_readv, what, ctypes.addressof(buf), addr, length)
+    _transfer(_libc_gil.process_vm_readv, what, ctypes.addressof(buf), addr, length)
     return buf.raw[:length]
 
 
@@ -71,7 +74,7 @@ def write(addr: int, data: bytes, what: str = "copy_to_user") -> None:
         UserFault: (EFAULT) the range is not writable, or `addr` is 0.
     """
     buf = ctypes.create_string_buffer(bytes(data), max(len(data), 1))
-    _transfer(_libc.process_vm_writev, what, ctypes.addressof(buf), addr, len(data))
+    _transfer(_libc_gil.process_vm_writev, what, ctypes.addressof(buf), addr, len(data))
 
 
 PR_GET_NAME = 16
