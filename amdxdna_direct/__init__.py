@@ -8,6 +8,7 @@ runs on the built-in emulator. ``Xclbin`` (the container parser) is imported on 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from . import errors
@@ -16,6 +17,11 @@ from .device import Device, open_device
 from .errors import Error
 from .hwctx import HwContext
 from .kernel import DEFAULT_TIMEOUT, FOREVER, Kernel, Run, RunList
+
+# A library logs; the application decides where its records go (docs/cli.md, Logging). trace.py, imported above
+# through the runtime, may have installed it already.
+if not any(isinstance(h, logging.NullHandler) for h in logging.getLogger(__name__).handlers):
+    logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from .xclbin import Xclbin

@@ -237,7 +237,7 @@ def _IOWR(type_: int, nr: int, ctype: str) -> int:  # noqa: N802 - kernel spelli
 
 
 def _amdxdna_nr(index: int) -> int:
-    """Request nr of an amdxdna ioctl: driver-private ioctls start at DRM_COMMAND_BASE (spec 1a)."""
+    """Request nr of an amdxdna ioctl: driver-private ioctls start at DRM_COMMAND_BASE (docs/uapi.md 1a)."""
     return libc.DRM_COMMAND_BASE + index
 
 
@@ -248,7 +248,7 @@ def _amdxdna_iowr(index: int, ctype: str) -> int:
 
 _D = libc.DRM_IOCTL_BASE
 
-# ---- amdxdna (spec/amdxdna-uapi.md 1a; all IOWR except the upstream WAIT_CMD) ----
+# ---- amdxdna (docs/uapi.md 1a; all IOWR except the upstream WAIT_CMD) ----
 DRM_IOCTL_AMDXDNA_CREATE_HWCTX = _amdxdna_iowr(libc.DRM_AMDXDNA_CREATE_HWCTX, "struct amdxdna_drm_create_hwctx")
 DRM_IOCTL_AMDXDNA_DESTROY_HWCTX = _amdxdna_iowr(libc.DRM_AMDXDNA_DESTROY_HWCTX, "struct amdxdna_drm_destroy_hwctx")
 DRM_IOCTL_AMDXDNA_CONFIG_HWCTX = _amdxdna_iowr(libc.DRM_AMDXDNA_CONFIG_HWCTX, "struct amdxdna_drm_config_hwctx")
@@ -259,11 +259,12 @@ DRM_IOCTL_AMDXDNA_EXEC_CMD = _amdxdna_iowr(libc.DRM_AMDXDNA_EXEC_CMD, "struct am
 DRM_IOCTL_AMDXDNA_GET_INFO = _amdxdna_iowr(libc.DRM_AMDXDNA_GET_INFO, "struct amdxdna_drm_get_info")
 DRM_IOCTL_AMDXDNA_SET_STATE = _amdxdna_iowr(libc.DRM_AMDXDNA_SET_STATE, "struct amdxdna_drm_set_state")
 DRM_IOCTL_AMDXDNA_WAIT_CMD = _IOW(_D, _amdxdna_nr(libc.DRM_AMDXDNA_WAIT_CMD), "struct amdxdna_drm_wait_cmd")
-#: The out-of-tree driver's IOWR encoding of WAIT_CMD; DRM dispatches by nr, so both reach the handler (spec 4.0).
+#: The out-of-tree driver's IOWR encoding of WAIT_CMD; DRM dispatches by nr, so both reach the handler (docs/uapi.md
+#: 4.0).
 DRM_IOCTL_AMDXDNA_WAIT_CMD_OOT = _amdxdna_iowr(libc.DRM_AMDXDNA_WAIT_CMD, "struct amdxdna_drm_wait_cmd")
 DRM_IOCTL_AMDXDNA_GET_ARRAY = _amdxdna_iowr(libc.DRM_AMDXDNA_GET_ARRAY, "struct amdxdna_drm_get_array")
 
-# ---- DRM core (spec/amdxdna-uapi.md section 5) ----
+# ---- DRM core (docs/uapi.md section 5) ----
 DRM_IOCTL_VERSION = _IOWR(_D, libc.DRM_NR_VERSION, "struct drm_version")
 DRM_IOCTL_GEM_CLOSE = _IOW(_D, libc.DRM_NR_GEM_CLOSE, "struct drm_gem_close")
 DRM_IOCTL_GET_CAP = _IOWR(_D, libc.DRM_NR_GET_CAP, "struct drm_get_cap")

@@ -1,6 +1,6 @@
 """Buffer objects: SHMEM data buffers, DEV (heap) buffers, CMD packet buffers, and sub-buffers.
 
-Facts: spec xrt-npu-sequence.md 1.4-1.6 and amdxdna-uapi.md 4.4-4.6, 7. A ``Bo`` keeps the GEM
+Facts: docs/xrt-sequence.md 1.4-1.6 and docs/uapi.md 4.4-4.6, 7. A ``Bo`` keeps the GEM
 handle, size, device address, CPU address and raw GET_BO_INFO together; numpy views over it are
 zero-copy. ``close()`` is idempotent and also runs on garbage collection; sub-buffers share the
 parent's handle and are closed with it.
@@ -50,11 +50,11 @@ __all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE", "unhold", "co
 PAGE_SIZE = 4096
 TO_DEVICE = "to_device"
 FROM_DEVICE = "from_device"
-_SUB_ALIGN = 4  # the shim DMA's buffer-descriptor address is word granular (spec 1.5)
-_U64_MAX = (1 << 64) - 1  # CREATE_BO size is a __u64 (spec amdxdna-uapi.md 2)
+_SUB_ALIGN = 4  # the shim DMA's buffer-descriptor address is word granular (docs/xrt-sequence.md 1.5)
+_U64_MAX = (1 << 64) - 1  # CREATE_BO size is a __u64 (docs/uapi.md 2)
 
 
-# kind -> (amdxdna_bo_type, its name in messages); XRT's placement (spec amdxdna-uapi.md 7): data in
+# kind -> (amdxdna_bo_type, its name in messages); XRT's placement (docs/uapi.md 7): data in
 # SHMEM, instructions and PDIs in DEV (heap), command packets in CMD.
 _BO_TYPES = {"shmem": (abi.AMDXDNA_BO_SHMEM, "SHMEM"), "dev": (abi.AMDXDNA_BO_DEV, "DEV"),
              "cmd": (abi.AMDXDNA_BO_CMD, "CMD")}
@@ -175,7 +175,7 @@ class Bo:
         self._attach(handle, info, cpu, map_len)
         if kind == "shmem":
             # "new pages may carry dirty cache lines that would later overwrite device output": the
-            # shim flushes every new SHARE BO (spec 1.4 "Initial flush").
+            # shim flushes every new SHARE BO (docs/xrt-sequence.md 1.4 "Initial flush").
             try:
                 self.sync()
             except BaseException:
@@ -202,7 +202,7 @@ class Bo:
         self.handle = handle
         self.info = info
         self.cpu_address = cpu
-        # XRT's device-address rule (spec 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
+        # XRT's device-address rule (docs/xrt-sequence.md 1.4): xdna_addr unless it is ~0, else the mapping's VA (SVA).
         self.address = info.xdna_addr if info.xdna_addr != abi.AMDXDNA_INVALID_ADDR else cpu
         self._mappings = ([CpuMapping(file, cpu, map_len)] if map_len
                           else self.device.heap_mappings(cpu, self.size) if self.kind == "dev" else [])
@@ -669,7 +669,7 @@ class Bo:
         reads). Both directions issue SYNC_BO with direction TO_DEVICE: the kernel does the same
         clflush (write-back + invalidate) for either direction, and on upstream drivers >= 0.3 a
         FROM_DEVICE sync of anything but a debug buffer flushes and then fails with EINVAL
-        (spec xrt-npu-sequence.md 1.6, amdxdna-uapi.md 4.6). XRT flushes from userspace instead,
+        (docs/xrt-sequence.md 1.6, docs/uapi.md 4.6). XRT flushes from userspace instead,
         which Python cannot do.
 
         Raises:
@@ -887,7 +887,7 @@ def _close_handle(file: DeviceFile, handle: int) -> None:
 
 
 def _release_bo(file: DeviceFile, handle: int, mapping: CpuMapping | None) -> None:
-    # munmap, then GEM_CLOSE (spec xrt-npu-sequence.md 1.10); DEV BOs have no mapping of their own.
+    # munmap, then GEM_CLOSE (docs/xrt-sequence.md 1.10); DEV BOs have no mapping of their own.
     # With numpy views left the munmap waits for them (CpuMapping); the GEM handle goes now.
     steps = [mapping.release] if mapping is not None else []
     release_steps(*steps, lambda: _close_handle(file, handle))

@@ -1,7 +1,7 @@
 """ERT command packets: pure encoders and decoders over ``memoryview``/``bytearray``.
 
-The packet lives in a CMD BO and is read by the driver (spec xrt-npu-sequence.md 1.7,
-amdxdna-uapi.md 6). Layout of the u32 header word (little endian):
+The packet lives in a CMD BO and is read by the driver (docs/xrt-sequence.md 1.7,
+docs/uapi.md 6). Layout of the u32 header word (little endian):
 state 3:0, stat_enabled 4, extra_cu_masks 11:10, count 22:12 (payload words after the header),
 opcode 27:23, type 31:28 (XRT writes ERT_CU = 3; the driver ignores it).
 """
@@ -24,7 +24,7 @@ __all__ = [
     "chain_slot_cost", "CHAIN_SLOT_BUDGET", "CHAIN_MAX_RUNS", "MAX_PACKET_WORDS",
 ]
 
-# Opcodes (bits 27:23), spec xrt-npu-sequence.md 1.7 / amdxdna-uapi.md 3.
+# Opcodes (bits 27:23), docs/xrt-sequence.md 1.7 / docs/uapi.md 3.
 ERT_START_CU = 0
 ERT_START_DPU = 18
 ERT_CMD_CHAIN = 19
@@ -51,13 +51,14 @@ STATE_NAMES = {
 }
 
 MAX_PACKET_WORDS = 0x7FF  # count is an 11-bit field
-_CHAIN_HEADER_WORDS = 6  # command_count, submit_index, error_index, reserved[3] (spec 6.5)
+_CHAIN_HEADER_WORDS = 6  # command_count, submit_index, error_index, reserved[3] (docs/uapi.md 6.5)
 
 # Chain limits. The driver packs every sub-command into one 4 KiB list buffer; a slot costs a
 # per-slot header plus 4 bytes per argument word. Which header a slot gets depends on the firmware
-# (CF 8 B, legacy DPU 24 B, NPU 52 B; spec amdxdna-uapi.md 6.5), so the budget is counted with the
-# largest, as ROCr does (52 + 4 * arg_cnt, spec xrt-npu-sequence.md 1.7): a 15-word mlir-aie slot
-# costs 112 B and 36 of them fit. The count cap is the driver's 64 sub-commands (spec 1.7; 6.5 says
+# (CF 8 B, legacy DPU 24 B, NPU 52 B; docs/uapi.md 6.5), so the budget is counted with the
+# largest, as ROCr does (52 + 4 * arg_cnt, docs/xrt-sequence.md 1.7): a 15-word mlir-aie slot
+# costs 112 B and 36 of them fit. The count cap is the driver's 64 sub-commands (docs/xrt-sequence.md 1.7; docs/uapi.md
+# 6.5 says
 # KMQ has no count cap, so 64 satisfies both readings). XRT's 24 runs per chain is a choice of its
 # runlist, not a driver limit: following the budget instead costs a 100-run stage 3 EXEC_CMDs, not 5.
 CHAIN_SLOT_BUDGET = 4096
@@ -109,7 +110,7 @@ def read_state(packet) -> int:
 
 
 def write_state(packet, state: int) -> None:
-    """Set the state nibble, keeping the other header fields (resubmission writes NEW, spec 6.6)."""
+    """Set the state nibble, keeping the other header fields (resubmission writes NEW, docs/uapi.md 6.6)."""
     word = _U32.unpack_from(packet, 0)[0]
     _U32.pack_into(packet, 0, (word & ~0xF) | (state & 0xF))
 
@@ -118,7 +119,7 @@ def encode_regmap(size: int, fields: Iterable[tuple[int, int, int]]) -> bytearra
     """Lay out a kernel regmap of ``size`` bytes from ``(offset, size, value)`` fields.
 
     Values are written little endian, truncated to the field size as XRT's arg setter does
-    (spec xrt-npu-sequence.md 1.7: only min(arg size, value size) bytes are copied); unused
+    (docs/xrt-sequence.md 1.7: only min(arg size, value size) bytes are copied); unused
     bytes stay zero. Fields need no alignment (mlir-aie u64 slots start at 0x14).
 
     Raises:
@@ -138,7 +139,7 @@ def payload_words(regmap_bytes: int) -> int:
     """Words of regmap sent after the cu mask: the regmap size rounded up to words.
 
     An odd count below 15 is padded by one zero word: the npu4 firmware aborts a chain slot with
-    an odd argument count below 15 (spec xrt-npu-sequence.md 1.7 "parity quirk", ROCr pads too).
+    an odd argument count below 15 (docs/xrt-sequence.md 1.7 "parity quirk", ROCr pads too).
     """
     words = (regmap_bytes + 3) // 4
     if words % 2 and words < 15:
@@ -150,7 +151,7 @@ def encode_start_cu(packet, cu_index: int, regmap: bytes | bytearray) -> int:
     """Write an ERT_START_CU packet (header, one cu mask word, regmap) into ``packet``.
 
     The whole ``packet`` is zeroed first: XRT does not clear recycled exec BOs, we do
-    (spec 1.7). Returns the number of bytes used.
+    (docs/xrt-sequence.md 1.7). Returns the number of bytes used.
 
     Raises:
         ValueError: bad cu index, or the packet does not fit ``packet`` or the 11-bit count.
@@ -170,7 +171,7 @@ def encode_start_cu(packet, cu_index: int, regmap: bytes | bytearray) -> int:
 
 
 def encode_chain(packet, handles: Sequence[int]) -> int:
-    """Write an ERT_CMD_CHAIN packet listing sub-command CMD BO ``handles`` (spec amdxdna-uapi.md 6.5).
+    """Write an ERT_CMD_CHAIN packet listing sub-command CMD BO ``handles`` (docs/uapi.md 6.5).
 
     Payload: command_count, submit_index, error_index, reserved[3], then one u64 per handle.
     Returns the number of bytes used.
@@ -224,7 +225,8 @@ def chain_slot_cost(arg_words: int) -> int:
 
 @dataclass(frozen=True)
 class Health:
-    """Context health record the driver writes over a TIMEOUT packet's payload (spec 1.9, 6.6)."""
+    """Context health record the driver writes over a TIMEOUT packet's payload (docs/xrt-sequence.md 1.9, docs/uapi.md
+    6.6)."""
 
     version: int
     npu_gen: int
@@ -242,7 +244,7 @@ _HEALTH = struct.Struct("<8I")
 def decode_health(packet) -> Health | None:
     """The health record at payload word 1, or None when the driver left none.
 
-    None when the payload is the driver's 0xFF fill (spec 6.6) or the version word is 0.
+    None when the payload is the driver's 0xFF fill (docs/uapi.md 6.6) or the version word is 0.
     """
     if len(memoryview(packet).cast("B")) < 4 + _HEALTH.size:
         return None

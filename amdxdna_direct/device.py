@@ -2,7 +2,7 @@
 
 ``open_device`` finds or builds a seam (real ``/dev/accel/accelN`` or the emulator) and returns a
 ``Device``; everything else (buffers, contexts, runs) is created from it and closed with it, in
-reverse order of creation (spec xrt-npu-sequence.md 1.10).
+reverse order of creation (docs/xrt-sequence.md 1.10).
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DRIVER_NAME = "amdxdna_accel_driver"  # DRM_IOCTL_VERSION name (spec amdxdna-uapi.md 5)
+DRIVER_NAME = "amdxdna_accel_driver"  # DRM_IOCTL_VERSION name (docs/uapi.md 5)
 DEFAULT_EMU_PROFILE = "npu4"
 # The heap: 64 MiB chunks (AIE2_DEVM_SIZE), mapped at a 64 MiB-aligned VA as XRT, XRT-lite and ROCr do;
-# newer drivers grow it contiguously up to 512 MiB (spec xrt-npu-sequence.md 1.2, amdxdna-uapi.md 4.4).
+# newer drivers grow it contiguously up to 512 MiB (docs/xrt-sequence.md 1.2, docs/uapi.md 4.4).
 HEAP_CHUNK_SIZE = 64 << 20
 HEAP_MAX_SIZE = 512 << 20
-# (PCI device id, revision) -> NPU generation, the driver's PCI table (spec xrt-npu-sequence.md 1.1).
+# (PCI device id, revision) -> NPU generation, the driver's PCI table (docs/xrt-sequence.md 1.1).
 PCI_GENERATIONS = {(0x1502, 0x00): "npu1", (0x17F0, 0x10): "npu4", (0x17F0, 0x11): "npu5", (0x17F0, 0x20): "npu6"}
-# TXN header dev_gen an instruction stream must carry for each generation (spec xrt-npu-sequence.md 2.3, 4).
+# TXN header dev_gen an instruction stream must carry for each generation (docs/xrt-sequence.md 2.3, 4).
 TXN_DEV_GEN = {"npu1": 3, "npu4": 4, "npu5": 4, "npu6": 4}
 SYSFS_ACCEL = "/sys/class/accel"
 
@@ -63,7 +63,7 @@ def pci_generation(device_id: int, revision: int) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# typed info results (GET_INFO payloads, spec amdxdna-uapi.md 2.5 and 10)
+# typed info results (GET_INFO payloads, docs/uapi.md 2.5 and 10)
 
 
 @dataclass(frozen=True)
@@ -573,7 +573,7 @@ class CpuMapping:
     ``Bo.array`` views are raw pointers: unmapping under one would make its next access a segfault.
     ``release`` (from ``Bo.close`` or the device's close) therefore unmaps at once only when no view
     is left, else the last view's collection does. The GEM handle is closed at once either way: a
-    mapping keeps the object alive in the driver (spec amdxdna-uapi.md 7).
+    mapping keeps the object alive in the driver (docs/uapi.md 7).
     """
 
     __slots__ = ("file", "addr", "length", "views", "deferred")
@@ -618,7 +618,7 @@ class CpuMapping:
 
 def release_steps(*steps: Callable[[], Any]) -> None:
     """Run teardown steps in order; a lost device ends the ioctl steps quietly (closing the fd frees
-    everything in the driver, spec 1.10); any other failure is raised after all steps ran. A
+    everything in the driver, docs/xrt-sequence.md 1.10); any other failure is raised after all steps ran. A
     KeyboardInterrupt (or another non-``XdnaError`` exception) in a step does not skip the later ones
     either: it is re-raised once they ran (docs/runtime.md 5).
 
@@ -807,7 +807,7 @@ class Device:
         return AieVersion(v.major, v.minor)
 
     def aie_metadata(self) -> AieMetadata:
-        """GET_INFO QUERY_AIE_METADATA (cached: XRT queries it once, spec 0 step 4).
+        """GET_INFO QUERY_AIE_METADATA (cached: XRT queries it once, docs/xrt-sequence.md 0 step 4).
 
         Raises:
             XdnaError: the query failed.
@@ -910,7 +910,7 @@ class Device:
                 raise
         out = self._get_info("DRM_AMDXDNA_QUERY_HW_CONTEXTS", "struct amdxdna_drm_query_hwctx", max_entries)
         size = abi.ffi.sizeof("struct amdxdna_drm_query_hwctx")
-        # The returned buffer_size changed meaning across versions (spec 10): entries are counted by what
+        # The returned buffer_size changed meaning across versions (docs/uapi.md 10): entries are counted by what
         # can be verified, context ids start at 1 and a zeroed slot is unused.
         return [HwContextEntry(*(getattr(e, name) for name in _QUERY_FIELDS), element_size=size,
                                source="QUERY_HW_CONTEXTS")
@@ -944,10 +944,10 @@ class Device:
     def ensure_heap(self) -> HeapChunk:
         """Create and map the first 64 MiB heap chunk if this fd has none; return the first chunk.
 
-        XRT order (spec xrt-npu-sequence.md 0 step 2): CREATE_BO DEV_HEAP, GET_BO_INFO, reserve a
+        XRT order (docs/xrt-sequence.md 0 step 2): CREATE_BO DEV_HEAP, GET_BO_INFO, reserve a
         64 MiB-aligned VA range, mmap MAP_FIXED into it. The whole growth range (512 MiB, PROT_NONE,
         no memory committed) is reserved at once so that later chunks land at contiguous VAs, which
-        expandable-heap drivers require ("uva is not contiguous", amdxdna-uapi.md 4.4).
+        expandable-heap drivers require ("uva is not contiguous", docs/uapi.md 4.4).
 
         Raises:
             XdnaError: an ioctl or mapping failed (nothing is left behind).
@@ -975,7 +975,7 @@ class Device:
         """``allocate()``, growing the heap and retrying while the driver answers EAGAIN.
 
         Expandable-heap drivers answer EAGAIN when the heap is short (a DEV BO, or a context's internal
-        buffers): XRT then adds a contiguous 64 MiB chunk and retries (spec amdxdna-uapi.md 4.4). Older
+        buffers): XRT then adds a contiguous 64 MiB chunk and retries (docs/uapi.md 4.4). Older
         drivers answer ENOSPC and nothing grows. The loop ends: ``grow_heap`` raises ENOSPC at the
         512 MiB maximum, or the driver refuses the chunk.
 
@@ -994,7 +994,7 @@ class Device:
                     self.grow_heap()
 
     def heap_cpu_address(self, xdna_addr: int) -> int:
-        """The CPU address of a device address inside the heap (heap VA + offset, spec 1.2).
+        """The CPU address of a device address inside the heap (heap VA + offset, docs/xrt-sequence.md 1.2).
 
         Raises:
             ValueError: the address is outside every mapped chunk.

@@ -107,7 +107,7 @@ class DeviceLostError(XdnaError):
     """The device answered ENODEV (removed, reset or wedged). Latched: every later call raises it."""
 
 
-# One table: (operation name or None for any, errno) -> class. Spec amdxdna-uapi.md 4.1 for
+# One table: (operation name or None for any, errno) -> class. docs/uapi.md 4.1 for
 # CREATE_HWCTX: step 8 ENODEV (no free or shareable partition) and EINVAL (firmware refused: the
 # context limit), step 9 EBUSY (<= 7.0) / ENOSPC (staging) when context handles run out, step 4
 # ENOSPC when the fd's heap has no room for the context's command-list buffers. 4.0: ENODEV after

@@ -1,9 +1,9 @@
 """Hardware contexts: CREATE_HWCTX, one PDI DEV BO per CU, one CONFIG_CU, the context syncobj.
 
-Sequence and values as XRT (spec xrt-npu-sequence.md 0 steps 4-5 and 1.3): num_tiles = partition
+Sequence and values as XRT (docs/xrt-sequence.md 0 steps 4-5 and 1.3): num_tiles = partition
 column_width x core rows (QUERY_AIE_METADATA), max_opc = the partition's operations_per_cycle, a
 zeroed 32-byte QoS buffer, PDIs chosen by dpu_kernel_id, CU index = position in the CONFIG_CU array.
-Teardown: SYNCOBJ_DESTROY before DESTROY_HWCTX (spec 1.10), then the PDI buffers.
+Teardown: SYNCOBJ_DESTROY before DESTROY_HWCTX (docs/xrt-sequence.md 1.10), then the PDI buffers.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ __all__ = ["HwContext", "ComputeUnit", "Instructions", "PRIORITIES", "QOS_BUFFER
 log = logging.getLogger(__name__)
 
 # Out-of-tree drivers copy a 32-byte qos_info (adds user_start_col, reserved), upstream 24 bytes:
-# a 32-byte buffer works with both (spec amdxdna-uapi.md 12). user_start_col 0xFF = "not requested".
+# a 32-byte buffer works with both (docs/uapi.md 12). user_start_col 0xFF = "not requested".
 QOS_BUFFER_SIZE = 32
 _QOS_PRIORITY_OFFSET = 20
 _QOS_USER_START_COL_OFFSET = 24
 _USER_START_COL_NONE = 0xFF
-MAX_NUM_CUS = 32  # driver limit for CONFIG_CU (spec 1.3)
+MAX_NUM_CUS = 32  # driver limit for CONFIG_CU (docs/xrt-sequence.md 1.3)
 
 
-# qos.priority values (spec amdxdna-uapi.md 3; the driver maps any other value, 0 included, to HIGH).
+# qos.priority values (docs/uapi.md 3; the driver maps any other value, 0 included, to HIGH).
 _PRIORITY_VALUES = {"realtime": abi.AMDXDNA_QOS_REALTIME_PRIORITY, "high": abi.AMDXDNA_QOS_HIGH_PRIORITY,
                     "normal": abi.AMDXDNA_QOS_NORMAL_PRIORITY, "low": abi.AMDXDNA_QOS_LOW_PRIORITY}
 PRIORITIES = tuple(_PRIORITY_VALUES)
@@ -94,14 +94,14 @@ def create_hwctx(device: Device, num_tiles: int, max_opc: int, priority: int = 0
     fields = {"num_tiles": num_tiles, "max_opc": max_opc}
     if priority:
         fields["priority"] = priority
-    # A context takes 4 x 32 KiB of heap for its command lists (spec 4.1): short heap, grow it.
+    # A context takes 4 x 32 KiB of heap for its command lists (docs/uapi.md 4.1): short heap, grow it.
     try:
         device.growing_heap(lambda: device.file.ioctl(abi.DRM_IOCTL_AMDXDNA_CREATE_HWCTX, req, fields))
     except BaseException as exc:
         if req.handle:      # made by the driver, but interrupted (Ctrl-C) before the caller got its handle
             release_context(device.file, req.handle, req.syncobj_handle)
         if isinstance(exc, ContextUnavailableError) and exc.errno == errno.ENODEV:
-            # ENODEV is both "no free columns" and a removed device (spec amdxdna-uapi.md 4.0, 4.1 step 8):
+            # ENODEV is both "no free columns" and a removed device (docs/uapi.md 4.0, 4.1 step 8):
             # a lost device is reported (and latched) as one, not as a full device to retry.
             device.file.confirm_lost(exc)
         raise
@@ -111,7 +111,7 @@ def create_hwctx(device: Device, num_tiles: int, max_opc: int, priority: int = 0
 def _select_kernels(xclbin: Any, kernel: str | None) -> list[tuple[Any, bytes]]:
     """(kernel, PDI image) per CU: the named kernel, or every ``dpu`` kernel with a PDI, in xclbin order.
 
-    XRT skips a CU whose dpu_kernel_id matches no PDI and fails only when none is left (spec 1.3).
+    XRT skips a CU whose dpu_kernel_id matches no PDI and fails only when none is left (docs/xrt-sequence.md 1.3).
     """
     from .xclbin import XclbinError
 
@@ -538,7 +538,7 @@ def release_context(file: DeviceFile, handle: int, syncobj: int, pdis: Sequence[
     Raises:
         XdnaError: the first step that failed (the rest still ran).
     """
-    # XRT order (spec 1.10): the syncobj belongs to userspace and goes first; DESTROY_HWCTX waits
+    # XRT order (docs/xrt-sequence.md 1.10): the syncobj belongs to userspace and goes first; DESTROY_HWCTX waits
     # for the context to idle; the PDIs the firmware context used are freed last.
     release_steps(lambda: _destroy_syncobj(file, syncobj), lambda: _destroy_hwctx(file, handle),
                   *(pdi.close for pdi in pdis))

@@ -1,9 +1,9 @@
 """Kernels, runs and run lists: ERT packets in reused CMD buffers, EXEC_CMD, syncobj waits.
 
 A ``Run`` owns one 4 KiB CMD buffer whose ERT_START_CU packet is built once (regmap laid out from
-the xclbin's EMBEDDED_METADATA args, spec xrt-npu-sequence.md 1.7); ``start`` only rewrites the
-state nibble and issues EXEC_CMD, ``wait`` issues one SYNCOBJ_TIMELINE_WAIT (spec 1.9). A
-``RunList`` submits prepared runs as ERT_CMD_CHAIN packets (spec 1.7, amdxdna-uapi.md 6.5).
+the xclbin's EMBEDDED_METADATA args, docs/xrt-sequence.md 1.7); ``start`` only rewrites the
+state nibble and issues EXEC_CMD, ``wait`` issues one SYNCOBJ_TIMELINE_WAIT (docs/xrt-sequence.md 1.9). A
+``RunList`` submits prepared runs as ERT_CMD_CHAIN packets (docs/xrt-sequence.md 1.7, docs/uapi.md 6.5).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ if TYPE_CHECKING:
 __all__ = ["Kernel", "Run", "RunList", "BufferExtent", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVER", "MAX_REGMAP_BYTES",
            "NPU_OPCODE_TXN", "check_regmap", "stream_extents"]
 
-CMD_BO_SIZE = 4096  # XRT's exec BO size (spec 1.4 CREATE_BO)
+CMD_BO_SIZE = 4096  # XRT's exec BO size (docs/xrt-sequence.md 1.4 CREATE_BO)
 #: The largest regmap an ERT_START_CU packet carries in one command buffer: the buffer less the header and the
 #: CU mask word (docs/runtime.md 1.4); the 11-bit count allows more, the buffer does not.
 MAX_REGMAP_BYTES = CMD_BO_SIZE - 8
-NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (spec 2.2)
+NPU_OPCODE_TXN = 3  # regmap "opcode" of the mlir-aie convention: execute a TXN stream (docs/xrt-sequence.md 2.2)
 #: Seconds a wait lasts unless told otherwise: the proven path's bound (docs/runtime.md 3.4).
 DEFAULT_TIMEOUT = 10.0
 #: The timeout that waits without bound (``wait(timeout=FOREVER)``); only the driver's TDR ends such a wait.
@@ -44,7 +44,7 @@ _TILE_OFFSET_MASK = (1 << 20) - 1     # a tile's register offset within its addr
 _U32_MAX = (1 << 32) - 1
 _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
                   cmd.ERT_CMD_STATE_TIMEOUT: errno.ETIME, cmd.ERT_CMD_STATE_NORESPONSE: errno.EIO}
-# States after which the driver has overwritten the payload with 0xFF (spec amdxdna-uapi.md 6.6).
+# States after which the driver has overwritten the payload with 0xFF (docs/uapi.md 6.6).
 _CLOBBERED = {cmd.ERT_CMD_STATE_ERROR, cmd.ERT_CMD_STATE_ABORT, cmd.ERT_CMD_STATE_TIMEOUT}
 
 
@@ -68,7 +68,7 @@ def _check_timeout(timeout: float | None) -> float | None:
 
 
 def _monotonic_deadline_ns(timeout: float | None) -> int:
-    # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (spec 1.9).
+    # SYNCOBJ waits take an absolute CLOCK_MONOTONIC deadline; INT64_MAX waits forever (docs/xrt-sequence.md 1.9).
     # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
     if timeout is None or timeout >= _INT64_MAX / 1e9:
         return _INT64_MAX
@@ -76,7 +76,7 @@ def _monotonic_deadline_ns(timeout: float | None) -> int:
 
 
 def _wait_cmd_ms(timeout: float | None) -> int:
-    # WAIT_CMD counts milliseconds in a u32 and 0 means forever (spec amdxdna-uapi.md 2.3, 4.11).
+    # WAIT_CMD counts milliseconds in a u32 and 0 means forever (docs/uapi.md 2.3, 4.11).
     # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
     if timeout is None or math.isinf(timeout):
         return 0
@@ -98,7 +98,8 @@ class Kernel:
         self.ctx = ctx
         self.cu_index = cu.index
         self.name = cu.kernel.name
-        self.args = cu.kernel.args      # sorted by id, duplicates merged, as XRT does (xclbin parse, spec 3.7)
+        # sorted by id, duplicates merged, as XRT does (xclbin parse, docs/xrt-sequence.md 3.7)
+        self.args = cu.kernel.args
         self.regmap_size = cu.kernel.regmap_size
 
     def __repr__(self) -> str:
@@ -127,7 +128,8 @@ class Kernel:
         return Run(self, regmap, bos)
 
     def prepare_npu(self, insts: Any, buffers: Sequence[Bo | None]) -> Run:
-        """A run in the mlir-aie convention: ``(3, instruction buffer, word count, *buffers)`` (spec 2.2).
+        """A run in the mlir-aie convention: ``(3, instruction buffer, word count, *buffers)`` (docs/xrt-sequence.md
+        2.2).
 
         ``insts``: bytes, a path, u32 words or an ``insts.Stream``; its bytes are uploaded as given to a
         DEV buffer once per context (cached by digest; ``HwContext.instructions``, docs/runtime.md 1).
@@ -350,7 +352,7 @@ class Run:
             self._head = self._view.cast("I")       # the header word, for the state nibble
             self.words = cmd.payload_words(len(self._regmap))
             self._encode()
-            # A sub-buffer carries its parent's handle, so the parent is listed once (spec 1.5).
+            # A sub-buffer carries its parent's handle, so the parent is listed once (docs/xrt-sequence.md 1.5).
             self.handles = _dedup(bo.handle for bo in bos)
             self._bos = tuple(dict.fromkeys(bos))   # checked for closed-ness at every start
             self._exec = _Exec(ctx, self.packet.handle, self.handles)
@@ -489,9 +491,9 @@ class Run:
         without bound; None means the default (docs/runtime.md 3.4).
 
         One SYNCOBJ_TIMELINE_WAIT (WAIT_FOR_SUBMIT, absolute CLOCK_MONOTONIC deadline) on the
-        context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (spec 1.9).
+        context syncobj at point ``seq``; WAIT_CMD only if the context has no syncobj (docs/xrt-sequence.md 1.9).
         Unlike XRT, the header is not polled before the wait: the state is read only once the fence
-        signalled (spec amdxdna-uapi.md 6.6), which also catches a malformed command whose state the
+        signalled (docs/uapi.md 6.6), which also catches a malformed command whose state the
         driver leaves NEW. A second ``wait`` after completion re-checks the state without an ioctl.
 
         Raises:
@@ -601,7 +603,7 @@ class _Waiter:
         self.buf = ffi.buffer(self.req)
 
     def wait(self, seq: int, timeout: float | None, what: str) -> None:
-        """Block until submission ``seq`` of the context signalled (spec xrt-npu-sequence.md 1.9).
+        """Block until submission ``seq`` of the context signalled (docs/xrt-sequence.md 1.9).
 
         Raises:
             CommandTimeout: the deadline passed first (ETIME); ``state`` is RUNNING.
@@ -623,7 +625,8 @@ class _Waiter:
                     fields["seq"] = seq
                 self.file.ioctl_named(self.request, self.name, self.buf, fields)
             except XdnaError as exc:
-                if ctx.closed:      # closed by another thread meanwhile: the syncobj went first (spec 1.10)
+                # closed by another thread meanwhile: the syncobj went first (docs/xrt-sequence.md 1.10)
+                if ctx.closed:
                     raise ioctl_error("wait", {"hwctx": ctx.handle, "seq": seq}, errno.EBADF,
                                       f"context closed while {what} waited ({exc})") from exc
                 if exc.errno == errno.ETIME:
@@ -637,7 +640,7 @@ _NO_SEQ = (1 << 64) - 1     # in EXEC_CMD's seq until the driver answers: tells 
 
 
 class _Exec:
-    """A preallocated EXEC_CMD request for one command BO, reused by every submission (spec 1.8)."""
+    """A preallocated EXEC_CMD request for one command BO, reused by every submission (docs/xrt-sequence.md 1.8)."""
 
     def __init__(self, ctx: HwContext, cmd_handle: int, handles: Sequence[int]) -> None:
         ffi = abi.ffi
@@ -715,7 +718,7 @@ class _Chain:
             self.head = self.view.cast("I")
             self.handles = [run.packet.handle for run in runs]
             cmd.encode_chain(self.view, self.handles)
-            # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (spec 6.5).
+            # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (docs/uapi.md 6.5).
             arg_handles = _dedup([h for run in runs for h in run.handles] + self.handles)
             self.exec = _Exec(ctx, self.bo.handle, arg_handles)
         except BaseException:
@@ -726,7 +729,7 @@ class _Chain:
 
     def reset(self) -> None:
         """Make the packets submittable again: rebuild them after a failure (the driver 0xFF-fills the
-        first sub-command's payload, spec 6.6), else only set every state back to NEW."""
+        first sub-command's payload, docs/uapi.md 6.6), else only set every state back to NEW."""
         if self.failed:
             cmd.encode_chain(self.view, self.handles)
             self.failed = False
@@ -744,7 +747,7 @@ class RunList:
     fit the driver's 4 KiB command list and it holds at most ``cmd.CHAIN_MAX_RUNS`` runs (see
     ``cmd.CHAIN_MAX_RUNS`` for why not XRT's 24); 36 mlir-aie runs fit one chain. Every sub-command
     is an ERT_START_CU packet, so a chain always has the one opcode the driver requires
-    (spec amdxdna-uapi.md 6.5). ``start()`` submits every chain, ``wait()`` waits once (the last
+    (docs/uapi.md 6.5). ``start()`` submits every chain, ``wait()`` waits once (the last
     chain's timeline point) and checks each chain in order. ``states`` holds the per-run ERT states
     after ``wait``. Reusable: restarting rewrites only states, except after a failure, when the
     clobbered packets are rebuilt. Closed with its context.
@@ -922,7 +925,7 @@ class RunList:
             sub._clobbered = True   # rebuilt by the next start, of this list or of the run alone
         run = chain.runs[error_index]
         index = chain.first + error_index
-        # On failure the driver writes the health record into the first sub-command's payload (spec 6.6).
+        # On failure the driver writes the health record into the first sub-command's payload (docs/uapi.md 6.6).
         return _command_error(run.kernel.name, state, chain.seq, self.ctx, chain.view, index=index,
                               health_packet=chain.runs[0]._view)
 

@@ -75,8 +75,8 @@ class OsSeam:
         """``ioctl(fd, request, buf)`` with results written back into ``buf``.
 
         Retried after EINTR (as PEP 475 does for other syscalls): the ioctls that block are safe to
-        restart, EXEC_CMD waiting for a free slot has submitted nothing yet (spec amdxdna-uapi.md 4.7)
-        and syncobj waits take an absolute deadline (spec 5). A signal handler that raises still stops it.
+        restart, EXEC_CMD waiting for a free slot has submitted nothing yet (docs/uapi.md 4.7)
+        and syncobj waits take an absolute deadline (docs/uapi.md 5). A signal handler that raises still stops it.
 
         Raises:
             OSError: the ioctl failed (errno set by the driver).
@@ -89,10 +89,10 @@ class OsSeam:
 
     def mmap(self, length: int, offset: int, addr: int = 0) -> int:
         """Map ``length`` bytes of the device at ``offset``, MAP_SHARED (the shmem GEM refuses private
-        mappings, spec amdxdna-uapi.md 7), MAP_FIXED at ``addr`` when given.
+        mappings, docs/uapi.md 7), MAP_FIXED at ``addr`` when given.
 
         MAP_LOCKED, which the XRT shim adds, is left out on purpose: it fails with EAGAIN under the
-        default RLIMIT_MEMLOCK for a 64 MiB heap, and XRT-lite and ROCr map without it (spec 1.4).
+        default RLIMIT_MEMLOCK for a 64 MiB heap, and XRT-lite and ROCr map without it (docs/xrt-sequence.md 1.4).
 
         Raises:
             OSError: mmap failed.

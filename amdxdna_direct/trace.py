@@ -23,7 +23,9 @@ from .errors import errno_text, format_call, format_fields
 
 __all__ = ["Tracer", "TRACER", "enabled", "enable", "disable", "decode", "describe_request"]
 
-log = logging.getLogger("amdxdna_direct.trace")
+log = logging.getLogger(__name__)
+# The line format; `amdxdna trace` finds these lines in a program's stderr by the prefix (docs/cli.md).
+TRACE_FORMAT = "amdxdna-trace: %(message)s"
 
 
 def describe_request(request: int) -> tuple[str, str | None]:
@@ -135,7 +137,15 @@ def _duration(seconds: float) -> str:
 
 
 TRACER = Tracer()
-_state: dict = {"enabled": False, "atexit": False, "handlers": []}
+_state: dict = {"enabled": False, "atexit": False, "handlers": [], "propagate": None}
+_OWN = "_amdxdna_trace_handler"  # marks the handlers enable() attached, so that none is attached twice
+
+
+def _trace_handler(stream) -> logging.Handler:
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(TRACE_FORMAT))
+    setattr(handler, _OWN, True)
+    return handler
 
 
 def enabled() -> bool:
@@ -146,15 +156,20 @@ def enabled() -> bool:
 def enable(stream=None) -> logging.Handler | None:
     """Start tracing; with ``stream``, also attach a handler writing the log lines to it.
 
-    When the trace logger has no handler of its own, one writing to stderr is attached so that
-    ``AMDXDNA_TRACE=1`` shows output without any logging setup. The summary is logged at exit.
-    Returns the handler attached, if any (``disable`` removes it).
+    Without ``stream``, a handler writing to stderr is attached when the trace logger has none yet (so
+    ``AMDXDNA_TRACE=1`` shows output without any logging setup); calling ``enable()`` again, or
+    reloading this module, attaches no second one. While a handler of ``enable`` is attached the
+    records do not propagate to the application's handlers (a ``logging.basicConfig`` before or after
+    import would print each line twice otherwise; docs/cli.md "Logging"). The summary is logged at
+    exit. Returns the handler attached, if any (``disable`` removes it and restores propagation).
     """
     handler = None
     if stream is not None or not log.handlers:
-        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-        handler.setFormatter(logging.Formatter("amdxdna-trace: %(message)s"))
+        handler = _trace_handler(stream if stream is not None else sys.stderr)
+        if not any(getattr(h, _OWN, False) for h in log.handlers):
+            _state["propagate"] = log.propagate
         log.addHandler(handler)
+        log.propagate = False
         _state["handlers"].append(handler)
     if log.level == logging.NOTSET or log.level > logging.INFO:
         log.setLevel(logging.INFO)
@@ -170,6 +185,9 @@ def disable() -> None:
     _state["enabled"] = False
     while _state["handlers"]:
         log.removeHandler(_state["handlers"].pop())
+    if _state["propagate"] is not None and not any(getattr(h, _OWN, False) for h in log.handlers):
+        log.propagate = _state["propagate"]
+        _state["propagate"] = None
 
 
 def _log_summary() -> None:
@@ -177,5 +195,14 @@ def _log_summary() -> None:
         log.info("ioctl summary for pid %d:\n%s", os.getpid(), TRACER.format_summary())
 
 
+def _package_null_handler() -> None:
+    """A NullHandler on the package logger (``amdxdna_direct``), once: a library's records go nowhere until
+    the application configures logging (Python's logging HOWTO for libraries)."""
+    package = logging.getLogger(__name__.rpartition(".")[0])
+    if not any(isinstance(h, logging.NullHandler) for h in package.handlers):
+        package.addHandler(logging.NullHandler())
+
+
+_package_null_handler()
 if os.environ.get("AMDXDNA_TRACE", "") not in ("", "0"):
     enable()

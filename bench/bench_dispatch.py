@@ -47,7 +47,7 @@ def _gemm_kernel(dev, m: int, k: int, n: int):
     stream = encode(dma_stream(TXN_DEV_GEN[dev.generation], buffers, rtp=[m, k, n, k]))
     if dev.emulator is not None:
         from amdxdna_direct.emu import Gemm
-        dev.emulator.models.bind(stream, Gemm(m, k, n, k, "kn"))
+        dev.emulator.models.bind(stream, Gemm(m, k, n, k))
     pdi = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
     ctx = dev.hw_context(xclbin.build_mlir_aie(pdi, column_width=1))
     return ctx, ctx.kernel(), stream

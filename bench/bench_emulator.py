@@ -259,7 +259,7 @@ def bench_blas(rounds: int) -> None:
         gen = TXN_DEV_GEN[dev.generation]
         size = dim * dim * 2
         stream = insts.encode(insts.dma_stream(gen, [(0, size, "in"), (1, size, "in"), (2, size, "out")]))
-        probe = _ThreadProbe(Gemm(dim, dim, dim, dim, "kn"))
+        probe = _ThreadProbe(Gemm(dim, dim, dim, dim))
         dev.emulator.models.bind(stream, probe)
         pdi = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
         ctx = dev.hw_context(xclbin.build_mlir_aie(pdi, column_width=1))

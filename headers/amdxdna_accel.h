@@ -3,19 +3,19 @@
  *
  * Mirrors: Linux include/uapi/drm/amdxdna_accel.h at torvalds/linux 637315cb (2026, DRM driver
  * version 0.10: eleven ioctls incl. WAIT_CMD and GET_ARRAY), plus the staging/out-of-tree
- * (amd/xdna-driver 856409ca) additions listed in spec/abi-facts-amdxdna.txt (hwctx_entry with
+ * (amd/xdna-driver 856409ca) additions listed in docs/uapi.md A.1-A.2 (hwctx_entry with
  * name[16] = 160 bytes, coredump, tile access, debug trace, firmware buffer metadata).
  * amdxdna_qos_info is the 24-byte upstream layout (the OOT driver reads 32 bytes, see
- * spec/amdxdna-uapi.md section 12).
+ * docs/uapi.md section 12).
  *
- * Written for amdxdna-direct from the facts in spec/amdxdna-uapi.md sections 1-3 and
- * spec/abi-facts-amdxdna.txt; not copied from the kernel header.  x86_64 LP64 layout.
+ * Written for amdxdna-direct from the facts in docs/uapi.md sections 1-3 and
+ * docs/uapi.md A.1-A.2; not copied from the kernel header.  x86_64 LP64 layout.
  *
  * Requires <stdint.h> (and nothing else); parsed by cffi, so no #include and only plain
  * integer #defines.
  */
 
-/* ---- invalid handle / address sentinels (spec section 3) ---- */
+/* ---- invalid handle / address sentinels (docs/uapi.md section 3) ---- */
 #define AMDXDNA_INVALID_CMD_HANDLE 0xffffffffffffffff
 #define AMDXDNA_INVALID_ADDR 0xffffffffffffffff
 #define AMDXDNA_INVALID_CTX_HANDLE 0
@@ -49,7 +49,7 @@ enum amdxdna_device_type {
     AMDXDNA_DEV_TYPE_PF = 2
 };
 
-/* Ioctl indices; the request nr is DRM_COMMAND_BASE + index (spec section 1a). */
+/* Ioctl indices; the request nr is DRM_COMMAND_BASE + index (docs/uapi.md section 1a). */
 enum amdxdna_drm_ioctl_id {
     DRM_AMDXDNA_CREATE_HWCTX = 0,
     DRM_AMDXDNA_DESTROY_HWCTX = 1,
@@ -323,7 +323,7 @@ struct amdxdna_drm_query_telemetry_header {
     uint32_t map[];
 };
 
-/* GET_INFO params (spec section 3; 6 and 7 are OOT-only READ_AIE_MEM/REG). */
+/* GET_INFO params (docs/uapi.md section 3; 6 and 7 are OOT-only READ_AIE_MEM/REG). */
 enum amdxdna_drm_get_param {
     DRM_AMDXDNA_QUERY_AIE_STATUS = 0,
     DRM_AMDXDNA_QUERY_AIE_METADATA = 1,

@@ -4,9 +4,9 @@
  * Mirrors: Linux include/uapi/drm/drm.h as shipped by libdrm 2.4.114 (Debian bookworm
  * libdrm-dev) and kernels 6.14-7.0, in its older (pre-deadline) layouts: drm_syncobj_wait is
  * 32 bytes and drm_syncobj_timeline_wait 40 bytes; newer kernels append deadline_nsec and accept
- * both sizes (spec/amdxdna-uapi.md section 5).
+ * both sizes (docs/uapi.md section 5).
  *
- * Written for amdxdna-direct from spec/amdxdna-uapi.md section 5 and spec/abi-facts-drm.txt;
+ * Written for amdxdna-direct from docs/uapi.md section 5 and docs/uapi.md A.3;
  * not copied from the kernel or libdrm header.  x86_64 LP64 layout.
  *
  * Requires <stdint.h> and <stddef.h>; parsed by cffi, so no #include and only plain integer
@@ -91,7 +91,7 @@ struct drm_syncobj_destroy {
     uint32_t pad;
 };
 
-/* timeout_nsec is an absolute CLOCK_MONOTONIC time (spec section 5). */
+/* timeout_nsec is an absolute CLOCK_MONOTONIC time (docs/uapi.md section 5). */
 struct drm_syncobj_wait {
     uint64_t handles;
     int64_t timeout_nsec;

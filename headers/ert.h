@@ -6,14 +6,14 @@
  * (Linux 7.0).  Older names and values (opcodes 0-17, states, types) agree with XRT 2022.1
  * (Debian libxrt-dev 202210.2.13), which the tests compare against.
  *
- * Written for amdxdna-direct from spec/xrt-npu-sequence.md section 1.7 and
- * spec/amdxdna-uapi.md sections 3 and 6; not copied from XRT or the kernel.
+ * Written for amdxdna-direct from docs/xrt-sequence.md section 1.7 and
+ * docs/uapi.md sections 3 and 6; not copied from XRT or the kernel.
  *
  * The header word is a plain uint32_t here; its bit fields are given as shift + (unshifted)
  * mask pairs: field = (header >> X_SHIFT) & X_MASK.  Requires <stdint.h>; parsed by cffi.
  */
 
-/* Header word bit fields (spec/amdxdna-uapi.md 6.1, xrt-npu-sequence.md 1.7). */
+/* Header word bit fields (docs/uapi.md 6.1, docs/xrt-sequence.md 1.7). */
 #define ERT_HDR_STATE_SHIFT 0
 #define ERT_HDR_STATE_MASK 0xf
 #define ERT_HDR_STAT_ENABLED_SHIFT 4
@@ -101,7 +101,7 @@ struct ert_start_kernel_cmd {
     uint32_t data[1];
 };
 
-/* ERT_START_NPU payload after the CU mask(s) (spec/amdxdna-uapi.md 6.3). */
+/* ERT_START_NPU payload after the CU mask(s) (docs/uapi.md 6.3). */
 struct ert_npu_data {
     uint64_t instruction_buffer;
     uint32_t instruction_buffer_size;
@@ -123,7 +123,7 @@ struct ert_npu_preempt_data {
 
 /*
  * ERT_CMD_CHAIN payload (no CU mask).  amdxdna takes data[i] as the GEM handle of the i-th
- * sub-command BO (low 32 bits), not as an address (spec/amdxdna-uapi.md 6.5).
+ * sub-command BO (low 32 bits), not as an address (docs/uapi.md 6.5).
  */
 struct ert_cmd_chain_data {
     uint32_t command_count;

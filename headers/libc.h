@@ -1,6 +1,6 @@
 /*
  * libc.h -- the few libc entry points and constants the syscall seam needs (mapping buffer
- * objects and reserving the 64 MiB-aligned heap window, spec/amdxdna-uapi.md section 7).
+ * objects and reserving the 64 MiB-aligned heap window, docs/uapi.md section 7).
  *
  * Mirrors: glibc 2.36 <sys/mman.h> on x86_64 Linux (Debian bookworm); the MAP_ values are the
  * x86 ones (asm-generic/mman-common.h, arch/x86 mman.h).  off_t is `long` on LP64.

@@ -7,7 +7,7 @@
  * connectivity, ip_data, ip_layout) keep that version's layout, including its [1] trailing arrays
  * and anonymous unions, so sizeof agrees with it; the tests compare the two.
  *
- * Written for amdxdna-direct from spec/xrt-npu-sequence.md section 3; not copied from XRT.
+ * Written for amdxdna-direct from docs/xrt-sequence.md section 3; not copied from XRT.
  * All integers little endian, natural alignment.  Requires <stdint.h>; parsed by cffi.
  */
 

@@ -1,7 +1,8 @@
 """The `sam3` command (also `python -m sam3`): `demo`, `bundle`, `build` (docs/cli.md).
 
 Exit codes as `amdxdna`'s: 0 success, 1 a failure (an error, a stage out of tolerance), 2 a usage error;
-130 on Ctrl-C. Errors print one line, `sam3 <command>: <message>`; with `--json` a JSON error object.
+130 on Ctrl-C. Errors print one line, `sam3 <command>: <message>`; with `--json` the JSON error object on
+stdout too. A closed or full stdout and an ASCII-only one as `amdxdna` (docs/cli.md "Conventions").
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from amdxdna_direct.cli import guarded, one_line
+from amdxdna_direct.errors import Error
 from sam3 import build as build_mod
 from sam3 import demo as demo_mod
 from sam3.bundle import Bundle, BundleError, format_summary, summarize
@@ -86,10 +89,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _fail(command: str, message: str, as_json: bool) -> int:
+    """One line ``sam3 COMMAND: message`` on stderr and, with ``--json``, the JSON error object on stdout (the
+    conventions of ``amdxdna``, docs/cli.md "Conventions")."""
     if as_json:
         print(json.dumps({"schema": SCHEMA, "command": command, "ok": False, "error": message}))
-    else:
-        print(f"sam3 {command}: {message}", file=sys.stderr)
+    print(f"sam3 {command}: {one_line(message)}", file=sys.stderr)
     return 1
 
 
@@ -194,8 +198,16 @@ def _log_warnings() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `sam3` console script."""
+    """The `sam3` console script: exit codes, Ctrl-C, a closed or full stdout and an ASCII-only stdout handled as
+    by `amdxdna` (`amdxdna_direct.cli.guarded`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    return guarded("sam3", lambda: _main(argv), argv, _COMMANDS)
+
+
+_COMMANDS = ("demo", "bundle", "segment", "build", "check", "export")
+
+
+def _main(argv: list[str]) -> int:
     _log_warnings()
     if argv[:1] == ["build"]:
         return build_mod.main(argv[1:], prog="sam3 build")
@@ -212,17 +224,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handler: Any = {"demo": _demo, "bundle": _bundle, "segment": _segment}[args.command]
         return int(handler(args))
-    except KeyboardInterrupt:
-        print(f"sam3 {args.command}: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
-        return 0
+        raise  # stdout's own failures: guarded() ends quietly or says so in one line
     except BundleError as e:
         return _fail(args.command, f"bundle: {e}", as_json)
     except NpuError as e:
         return _fail(args.command, f"NPU: {e}", as_json)
-    except (ValueError, OSError) as e:  # OSError: XdnaError, an unreadable or unwritable file
+    except (ValueError, OSError, Error) as e:  # OSError: XdnaError, an unreadable or unwritable file
         return _fail(args.command, str(e), as_json)
+    except (MemoryError, OverflowError) as e:  # a size no file should claim, met before the reader refused it
+        return _fail(args.command, f"{type(e).__name__}: {e or 'a size too large to allocate'}", as_json)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import numpy as np
 
 from amdxdna_direct import insts
 from amdxdna_direct.emu.memory import DeviceFault
-from amdxdna_direct.emu.models import stream_digest
+from amdxdna_direct.emu.models import gelu_tanh, stream_digest
 from amdxdna_direct.errors import Error
 
 from . import pack
@@ -284,26 +284,12 @@ def _bf16(view: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return view.view(BF16).reshape(shape)
 
 
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in place on the model's own f32 copy.
-    t = x * x
-    t *= np.float32(0.044715)
-    t += np.float32(1.0)
-    t *= x
-    t *= np.float32(math.sqrt(2.0 / math.pi))
-    np.tanh(t, out=t)
-    t += np.float32(1.0)
-    t *= x
-    t *= np.float32(0.5)
-    return t
-
-
 def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, np.float32(0.0), out=x)
 
 
 _ACTIVATIONS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
-    EPILOGUE_NONE: lambda x: x, EPILOGUE_RELU: _relu, EPILOGUE_GELU_TANH: _gelu_tanh,
+    EPILOGUE_NONE: lambda x: x, EPILOGUE_RELU: _relu, EPILOGUE_GELU_TANH: gelu_tanh,
 }
 
 

@@ -14,9 +14,9 @@ from amdxdna_direct.bo import Bo
 from sam3.bundle import Bundle
 from sam3.decoder import attention, layer_norm, linear, mlp
 from sam3.detr import Fold, fold, prompt_softmax
-from sam3.neck import reference_conv
+from sam3.neck import conv3x3, reference_conv
 from sam3.npu import Io, Npu, NpuError, push
-from sam3.pack import conv_input, conv_output, pack_b, round_bf16
+from sam3.pack import pack_b, round_bf16
 
 _F32 = np.float32
 # GroupNorm's groups and epsilon are the model's, not bundle params (docs/sam3-segment.md 3.3).
@@ -230,14 +230,7 @@ class MaskDecoder:
         Raises:
             NpuError: the operand set kept for `side` is not a convolution's, or the kernel failed.
         """
-        io = self.convs.get(side)
-        if io is None:
-            io = self.convs[side] = self.npu.conv_io("conv", side, side)
-        geom = io.conv_geometry()
-        io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
-        self.npu.run(io, self.npu.weights(f"m.conv{stage}"))
-        bias = self.npu.bundle.tensors.get(f"m.conv{stage}.b", "f32")
-        return conv_output(io.get_c_f32(io.rows), geom, side, side).reshape(side * side, -1) + bias
+        return conv3x3(self.npu, self.convs, side, x, f"m.conv{stage}", f"m.conv{stage}.b")
 
     def forward(self, hidden: np.ndarray, fpn: list[np.ndarray], enc: np.ndarray, valid: np.ndarray) -> Masks:
         """Mask logits for the decoder's normalised queries `hidden` `[Q, d]`, the FPN levels `fpn` (channels-last

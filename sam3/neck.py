@@ -41,6 +41,23 @@ class Splits:
                            "n_up")
 
 
+def conv3x3(npu: Npu, convs: dict[int, Io], side: int, x: np.ndarray, weights: str, bias: str) -> np.ndarray:
+    """3x3 convolution (zero padding 1) of a `[side^2, C]` map on the `conv` GEMM with bundle operand `weights`, plus
+    the host bias tensor `bias`; `convs` keeps one operand set per map side, shared by the neck and the mask decoder.
+
+    Raises:
+        NpuError: the operand set kept for `side` is not a convolution's, or the kernel failed.
+    """
+    io = convs.get(side)
+    if io is None:
+        io = convs[side] = npu.conv_io("conv", side, side)
+    geom = io.conv_geometry()
+    io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
+    npu.run(io, npu.weights(weights))
+    b = npu.bundle.tensors.get(bias, "f32")
+    return conv_output(io.get_c_f32(io.rows), geom, side, side).reshape(side * side, -1) + b
+
+
 class Neck:
     """The neck on an `Npu`; its conv operand sets (one per map side) are shared with the mask decoder."""
 
@@ -58,15 +75,7 @@ class Neck:
         Raises:
             NpuError: the operand set kept for `side` is not a convolution's, or the kernel failed.
         """
-        io = self.convs.get(side)
-        if io is None:
-            io = self.convs[side] = self.npu.conv_io("conv", side, side)
-        geom = io.conv_geometry()
-        io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
-        self.npu.run(io, self.npu.weights(weights))
-        c = io.get_c_f32(io.rows)
-        b = self.npu.bundle.tensors.get(bias, "f32")
-        return conv_output(c, geom, side, side).reshape(side * side, -1) + b
+        return conv3x3(self.npu, self.convs, side, x, weights, bias)
 
     def forward(self, vit_out: np.ndarray) -> list[np.ndarray]:
         """The three levels from the ViT's raster output `[T, vit_dim]`."""

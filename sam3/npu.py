@@ -228,9 +228,7 @@ class Io:
             ValueError: more rows than C holds (or negative).
             XdnaError: SYNC_BO failed.
         """
-        rows = _integer(rows, f"{self.key}: get_c rows")
-        if not 0 <= rows <= self.rows:
-            raise ValueError(f"{self.key}: get_c({rows}) outside C's {self.rows} rows")
+        rows = self._c_rows(rows, "get_c")
         return pull(self.c, rows * self.n).reshape(rows, self.n)
 
     def get_c_f32(self, rows: int) -> np.ndarray:
@@ -241,10 +239,14 @@ class Io:
             ValueError: more rows than C holds (or negative).
             XdnaError: SYNC_BO failed.
         """
-        rows = _integer(rows, f"{self.key}: get_c_f32 rows")
-        if not 0 <= rows <= self.rows:
-            raise ValueError(f"{self.key}: get_c_f32({rows}) outside C's {self.rows} rows")
+        rows = self._c_rows(rows, "get_c_f32")
         return pull(self.c, rows * self.n, np.float32, stored=BF16).reshape(rows, self.n)
+
+    def _c_rows(self, rows: int, what: str) -> int:
+        rows = _integer(rows, f"{self.key}: {what} rows")
+        if not 0 <= rows <= self.rows:
+            raise ValueError(f"{self.key}: {what}({rows}) outside C's {self.rows} rows")
+        return rows
 
 
 class MhaIo:

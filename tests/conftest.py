@@ -56,7 +56,7 @@ def npu1_fixture() -> Path:
 
 
 def txn_dev_gen(dev) -> int:
-    """TXN header device generation for a device: 3 on NPU1 (5 columns), 4 on NPU4/5/6 (spec 2.3, 4)."""
+    """TXN header device generation for a device: 3 on NPU1 (5 columns), 4 on NPU4/5/6 (docs/xrt-sequence.md 2.3, 4)."""
     return 3 if dev.aie_metadata().cols == 5 else 4
 
 
@@ -132,13 +132,13 @@ class RecordingSeam:
         return [IOCTL_NAMES.get(c[1] & 0xFF, hex(c[1])) for c in self.calls if c[0] == "ioctl"]
 
 
-# Request nr -> name, from spec amdxdna-uapi.md 1a and 5 (independent of abi.py).
+# Request nr -> name, from docs/uapi.md 1a and 5 (independent of abi.py).
 IOCTL_NAMES = {0x40: "CREATE_HWCTX", 0x41: "DESTROY_HWCTX", 0x42: "CONFIG_HWCTX", 0x43: "CREATE_BO",
                0x44: "GET_BO_INFO", 0x45: "SYNC_BO", 0x46: "EXEC_CMD", 0x47: "GET_INFO", 0x48: "SET_STATE",
                0x49: "WAIT_CMD", 0x4A: "GET_ARRAY", 0x00: "VERSION", 0x09: "GEM_CLOSE", 0xBF: "SYNCOBJ_CREATE",
                0xC0: "SYNCOBJ_DESTROY", 0xCA: "SYNCOBJ_TIMELINE_WAIT"}
 
-# Struct formats from spec amdxdna-uapi.md 2 (x86_64), for decoding recorded calls.
+# Struct formats from docs/uapi.md 2 (x86_64), for decoding recorded calls.
 CREATE_BO = struct.Struct("<QQQII")          # flags vaddr size type handle
 SYNC_BO = struct.Struct("<IIQQ")             # handle direction offset size
 CREATE_HWCTX = struct.Struct("<QQQ8I")       # ext ext_flags qos_p umq_bo log_buf_bo max_opc num_tiles mem_size ...
@@ -164,3 +164,21 @@ def emu_open(profile: str = "npu1", **options):
     emu = EmuDevice(profile, **options)
     seam = RecordingSeam(emu.open())
     return Device(seam, emulator=emu, owns_emulator=True), emu, seam
+
+
+@pytest.fixture(scope="session")
+def fixture_bundle(tmp_path_factory):
+    """The sam3-tiny checkpoint exported as a host-ViT bundle, and its reference.npz as a dict (once a session)."""
+    import numpy as np
+    from fixture_files import SAM3_TINY
+
+    from sam3.bundle import Bundle
+    from sam3.export import export
+
+    if not (SAM3_TINY / "reference.npz").is_file():
+        pytest.skip(f"fixture {SAM3_TINY} absent (../shared not checked out next to the repo)")
+    b = Bundle.open(export(SAM3_TINY / "hf", tmp_path_factory.mktemp("fix") / "b", vit="host"))
+    with np.load(SAM3_TINY / "reference.npz") as z:
+        ref = {k: z[k] for k in z.files}
+    yield b, ref
+    b.close()

@@ -1,8 +1,8 @@
 """Raw-ioctl helpers for the emulator tests.
 
-Structs are packed by hand with ``struct`` from `spec/abi-facts-amdxdna.txt` and `abi-facts-drm.txt`
+Structs are packed by hand with ``struct`` from `docs/uapi.md A.1-A.2` and `docs/uapi.md A.3`
 (little-endian x86_64 layouts), request numbers are built from the `_IOC` bit layout of
-`spec/amdxdna-uapi.md` section 1, and user memory is plain ctypes memory whose address goes into the
+`docs/uapi.md` section 1, and user memory is plain ctypes memory whose address goes into the
 structs as a user pointer. Nothing here goes through `amdxdna_direct.abi`: the tests must check the
 emulator against the ABI facts, not against the binding.
 
@@ -94,14 +94,14 @@ REQUESTS = {
     "SYNCOBJ_TIMELINE_SIGNAL": (IOWR, 0xCD, "syncobj_timeline_array"),
 }
 
-# Enum values (spec/amdxdna-uapi.md section 3).
+# Enum values (docs/uapi.md section 3).
 BO_SHMEM, BO_DEV_HEAP, BO_DEV, BO_CMD = 1, 2, 3, 4
 CONFIG_CU, ASSIGN_DBG_BUF, REMOVE_DBG_BUF = 0, 1, 2
 INVALID_ADDR = (1 << 64) - 1
 HEAP_BASE = 0x4000000
 PAGE = 4096
 WAIT_ALL, WAIT_FOR_SUBMIT = 1, 2
-# ERT command header (spec section 6.1) and states.
+# ERT command header (docs/uapi.md section 6.1) and states.
 ERT_START_CU, ERT_CMD_CHAIN, ERT_START_NPU = 0, 19, 20
 ERT_STATE_NEW, ERT_STATE_COMPLETED, ERT_STATE_ERROR, ERT_STATE_ABORT, ERT_STATE_TIMEOUT = 1, 4, 5, 6, 8
 ZERO_LIVE = {"bos": 0, "hwctx": 0, "syncobjs": 0, "mappings": 0}
@@ -333,7 +333,7 @@ class Raw:
 
 
 def ert_header(opcode: int, count: int, extra_cu_masks: int = 0, state: int = ERT_STATE_NEW) -> int:
-    """ERT command header word (spec section 6.1)."""
+    """ERT command header word (docs/uapi.md section 6.1)."""
     return state | (extra_cu_masks << 10) | (count << 12) | (opcode << 23)
 
 
@@ -354,7 +354,7 @@ def chain_packet(handles: list[int], opcode: int = ERT_CMD_CHAIN) -> bytes:
 
 
 def regmap(instr: int, ninstr: int, slots: list[int], nslots: int = 0) -> list[int]:
-    """The mlir-aie regmap (xrt-npu-sequence.md 1.7): u64 opcode 3 @0, u64 instr @8, u32 ninstr @0x10, then u64
+    """The mlir-aie regmap (docs/xrt-sequence.md 1.7): u64 opcode 3 @0, u64 instr @8, u32 ninstr @0x10, then u64
     buffer slots @0x14 + 8k, zero-padded to `nslots`."""
     words = [3, 0, instr & 0xFFFFFFFF, instr >> 32, ninstr]
     for addr in slots + [0] * (nslots - len(slots)):
@@ -364,7 +364,7 @@ def regmap(instr: int, ninstr: int, slots: list[int], nslots: int = 0) -> list[i
 
 def txn_stream(dev_gen: int, buffers: list[tuple[int, int]], tag: int = 0, arg_plus: int = 0,
                extra: list[list[int]] = ()) -> bytes:
-    """A TXN stream (xrt-npu-sequence.md 2.3): per (arg_idx, nbytes) a shim BD, its DDR_PATCH from arg_idx and
+    """A TXN stream (docs/xrt-sequence.md 2.3): per (arg_idx, nbytes) a shim BD, its DDR_PATCH from arg_idx and
     a queue push; then a sync. `extra` ops (lists of words) go right after the first WRITE32."""
     ops: list[list[int]] = [[0x00, 0, 0x1D200, 0, tag & 0xFFFFFFFF, 24], *extra]
     for bd, (arg_idx, nbytes) in enumerate(buffers):

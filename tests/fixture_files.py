@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,12 @@ def fixture(rel: str) -> Path:
     if not path.is_file():
         pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
     return path
+
+
+SAM3_TINY = SHARED / "fixtures" / "sam3-tiny"
+
+
+def sam3_tiny_cases() -> list[int]:
+    """The case indices of the sam3-tiny fixture (its cases.json), or [0] without ../shared (its tests skip)."""
+    path = SAM3_TINY / "cases.json"
+    return [c["index"] for c in json.loads(path.read_text())["cases"]] if path.is_file() else [0]

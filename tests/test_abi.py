@@ -3,8 +3,8 @@
 Oracles, each independent of cffi's reading of our headers:
   (a) gcc compiling the same headers (sizeof / offsetof / bit positions / constant values);
   (b) the system's own headers: libdrm's drm.h, XRT's xclbin.h and ert.h, glibc's sys/mman.h;
-  (c) the facts in shared/spec (abi-facts-*.txt, the request tables of amdxdna-uapi.md, the axlf
-      offsets of xrt-npu-sequence.md section 3) and a real xclbin with the JSON it was built from.
+  (c) the facts in docs/ (docs/uapi.md Appendix A, the request tables of docs/uapi.md, the axlf
+      offsets of docs/xrt-sequence.md section 3) and a real xclbin with the JSON it was built from.
 Plus: a header copy with two fields swapped is reported, and the wheel carries the headers and
 imports in a clean venv with no compiler on PATH.
 """
@@ -468,7 +468,7 @@ def test_libc_subset_matches_glibc(tmp_path):
 # (c) the spec facts
 
 def read_facts(*paths: Path) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[str, int]]:
-    """Struct sizes, field offsets, and NAME=value lines of spec/abi-facts-*.txt."""
+    """Struct sizes, field offsets, and NAME=value lines of docs/uapi.md Appendix A."""
     sizes, offsets, values = {}, {}, {}
     for path in paths:
         for line in path.read_text().splitlines():
@@ -543,7 +543,7 @@ def test_amdxdna_request_table_of_spec_section_1a():
         assert number & 0xFF == 0x40 + int(index)
         assert number >> 30 == (3 if "IOWR" in direction else 1), name
         assert abi.IOCTLS[number] == (name, f"struct {struct}")
-    assert abi.DRM_IOCTL_AMDXDNA_WAIT_CMD_OOT == 0xC0106449  # spec 1a notes, the OOT IOWR encoding
+    assert abi.DRM_IOCTL_AMDXDNA_WAIT_CMD_OOT == 0xC0106449  # docs/uapi.md 1a notes, the OOT IOWR encoding
 
 
 @needs_spec
@@ -564,7 +564,7 @@ def test_drm_core_request_table_of_spec_section_5():
     assert checked == ours
 
 
-# axlf offsets worked out from spec/xrt-npu-sequence.md 3.1, 3.2 and 3.8 (file / section offsets).
+# axlf offsets worked out from docs/xrt-sequence.md 3.1, 3.2 and 3.8 (file / section offsets).
 AXLF_OFFSETS = {
     "axlf": {"m_magic": 0x000, "m_signature_length": 0x008, "reserved": 0x00C, "m_keyBlock": 0x028,
              "m_uniqueId": 0x128, "m_header": 0x130, "m_sections": 0x1C8},
@@ -591,7 +591,7 @@ AXLF_SIZES = {"axlf_header": 152, "axlf_section_header": 40, "mem_data": 40, "co
               "aie_partition": 184, "aie_partition_info": 88, "aie_pdi": 96, "cdo_group": 96, "array_offset": 8}
 
 
-# ERT payload offsets from spec/amdxdna-uapi.md 6.2-6.5 (bytes after the header word / CU masks).
+# ERT payload offsets from docs/uapi.md 6.2-6.5 (bytes after the header word / CU masks).
 ERT_OFFSETS = {
     "ert_start_kernel_cmd": {"header": 0, "cu_mask": 4, "data": 8},                          # 6.2
     "ert_npu_data": {"instruction_buffer": 0, "instruction_buffer_size": 8, "instruction_prop_count": 12,
@@ -619,7 +619,8 @@ def test_ert_packet_layout_of_spec_section_6():
     # 6.1: header bit fields
     header = (abi.ERT_CMD_STATE_NEW | 15 << abi.ERT_HDR_COUNT_SHIFT | abi.ERT_START_CU << abi.ERT_HDR_OPCODE_SHIFT
               | abi.ERT_CU << abi.ERT_HDR_TYPE_SHIFT)
-    assert header + (1 << 12) == 0x30010001  # xrt-npu-sequence 1.7: the standard mlir-aie START_CU header (count 16)
+    # docs/xrt-sequence.md 1.7: the standard mlir-aie START_CU header (count 16)
+    assert header + (1 << 12) == 0x30010001
     assert (abi.ERT_HDR_STATE_MASK, abi.ERT_HDR_EXTRA_CU_MASKS_SHIFT, abi.ERT_HDR_COUNT_MASK) == (0xF, 10, 0x7FF)
     assert (abi.ERT_HDR_OPCODE_SHIFT, abi.ERT_HDR_OPCODE_MASK, abi.ERT_HDR_TYPE_SHIFT) == (23, 0x1F, 28)
     # 3 / 1.7: opcodes and states
@@ -678,7 +679,7 @@ def test_axlf_structs_decode_a_real_xclbin_as_its_build_json_says():
     assert part.aie_pdi.size == len(partition_json["PDIs"]) == 1
     pdi = ffi.cast("struct aie_pdi *", section + part.aie_pdi.offset)
     image = bytes(ffi.buffer(section + pdi.pdi_image.offset, pdi.pdi_image.size))
-    assert len(image) == 2640 and image[:8] == bytes.fromhex("DD000000 44332211")  # xrt-npu-sequence 3.8
+    assert len(image) == 2640 and image[:8] == bytes.fromhex("DD000000 44332211")  # docs/xrt-sequence.md 3.8
     group_json = partition_json["PDIs"][0]["cdo_groups"][0]
     group = ffi.cast("struct cdo_group *", section + pdi.cdo_groups.offset)
     assert ffi.string(section + group.mpo_name).decode() == group_json["name"]
@@ -778,7 +779,7 @@ def test_gcc_comparison_catches_a_layout_cffi_gets_wrong(tmp_path):
 # abi module API
 
 def test_prime_set_state_and_hwctx_entry_layouts_by_hand():
-    """What Bo.export / Device.import_bo, set_power_mode and hw_contexts send, typed in from spec/amdxdna-uapi.md
+    """What Bo.export / Device.import_bo, set_power_mode and hw_contexts send, typed in from docs/uapi.md
     5 (PRIME rows: drm_prime_handle (12) {u32 handle; u32 flags; s32 fd}, DRM_CLOEXEC 0x80000, DRM_RDWR 2),
     1a (SET_STATE 0xC0106448, GET_ARRAY 0xC018644A), 2.4-2.5 (set_state, set_power_mode, hwctx_entry)."""
     ffi = abi.ffi
@@ -803,7 +804,7 @@ def test_prime_set_state_and_hwctx_entry_layouts_by_hand():
 def test_ioc_layout_and_encoding():
     assert (abi._IOC_NRSHIFT, abi._IOC_TYPESHIFT, abi._IOC_SIZESHIFT, abi._IOC_DIRSHIFT) == (0, 8, 16, 30)
     assert (abi._IOC_NONE, abi._IOC_WRITE, abi._IOC_READ) == (0, 1, 2)
-    # spec 1: request = dir<<30 | size<<16 | 'd'<<8 | nr
+    # docs/uapi.md 1: request = dir<<30 | size<<16 | 'd'<<8 | nr
     assert abi._IOWR(0x64, 0x46, "struct amdxdna_drm_exec_cmd") == 3 << 30 | 56 << 16 | 0x64 << 8 | 0x46
     assert abi._IOR(0x64, 1, "uint32_t") == 2 << 30 | 4 << 16 | 0x64 << 8 | 1
     assert abi._IOW(0x64, 9, "struct drm_gem_close") == 1 << 30 | 8 << 16 | 0x64 << 8 | 9
@@ -938,7 +939,8 @@ def test_ci_runs_the_readme_test_command():
     assert 'bash -c "set -e; $test_command"' in script
 
 
-# A TXN stream with one WRITE32 (spec 2.3): header 0.1 devGen 3, 1 op, 40 bytes; op [0x00, 0, addr, 0, value, 24].
+# A TXN stream with one WRITE32 (docs/xrt-sequence.md 2.3): header 0.1 devGen 3, 1 op, 40 bytes; op [0x00, 0, addr, 0,
+# value, 24].
 TINY_STREAM = (0x06030100, 0x101, 1, 40, 0x00, 0, 0x1D204, 0, 5, 24)
 
 WHEEL_PROBE = """

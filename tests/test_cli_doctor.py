@@ -1,7 +1,7 @@
 """amdxdna doctor: host checks over a fake /dev + /sys + /etc tree, device checks on the emulator.
 
-Oracles: the sysfs layout and PCI ids of spec/amdxdna-uapi.md 8 and xrt-npu-sequence.md 1.1, access(2)
-rules for the mode bits, kmsg(4) record format, the feature levels of spec 1b and 11, the emulator's
+Oracles: the sysfs layout and PCI ids of docs/uapi.md 8 and docs/xrt-sequence.md 1.1, access(2)
+rules for the mode bits, kmsg(4) record format, the feature levels of docs/uapi.md 1b and 11, the emulator's
 profiles and fault switches, and drivers that answer differently (test_cli_isolation.AlteredDriver).
 """
 
@@ -160,7 +160,7 @@ def test_sysfs_attributes_and_generation(tmp_path):
     assert attributes["driver"] == "amdxdna"
     assert attributes["pci_slot"] == NPU_SLOT
     assert attributes["fw_version"] == "1.5.2.380"
-    # spec 8: 17f0 rev 10/11/20 are NPU4/5/6, 1502 rev 0 is NPU1
+    # docs/uapi.md 8: 17f0 rev 10/11/20 are NPU4/5/6, 1502 rev 0 is NPU1
     assert pci_generation(int(attributes["device"], 16), int(attributes["revision"], 16)) == "npu5"
     assert pci_generation(0x1502, 0) == "npu1"
     assert pci_generation(0x17F0, 0x20) == "npu6"
@@ -463,7 +463,7 @@ def test_all_checks_pass_on_the_emulator():
     results = by_name(doctor.run_checks("emu:npu4", host=host_for(Path("/nonexistent"))))
     assert [results[n].status for n in doctor.DEVICE_CHECKS] == [PASS] * 4
     assert results["node"].status == results["kernel-log"].status == SKIP
-    assert results["contexts"].detail.startswith("0 context(s) live of 16")  # NPU4 firmware limit (spec 8)
+    assert results["contexts"].detail.startswith("0 context(s) live of 16")  # NPU4 firmware limit (docs/uapi.md 8)
     assert "bo0 -> bo1" in results["self-test"].detail
 
 
@@ -472,7 +472,7 @@ def test_contexts_held_by_another_fd_fail_and_name_the_pid():
         held = []
         with open_device(emu) as other:
             xclbin = build_mlir_aie(b"pdi", column_width=1, n_buffers=2)
-            for _ in range(6):  # the NPU1 firmware limit (spec 8)
+            for _ in range(6):  # the NPU1 firmware limit (docs/uapi.md 8)
                 held.append(other.hw_context(xclbin))
             results = by_name(doctor.run_checks(emu, host=host_for(Path("/nonexistent"))))
             live = other.hw_contexts()
@@ -489,11 +489,12 @@ def test_self_test_with_the_npu1_fixture():
         with open_device(emu) as dev:
             result = doctor.check_self_test(dev, NPU1_1COL / "aie.xclbin", NPU1_1COL / "insts.bin")
     assert result.status == PASS
-    assert "64 bytes (bo0 -> bo2)" in result.detail  # patches slots 0 and 2; output BD 16 words (spec 2.3)
+    # patches slots 0 and 2; output BD 16 words (docs/xrt-sequence.md 2.3)
+    assert "64 bytes (bo0 -> bo2)" in result.detail
 
 
 def test_context_probe_asks_one_column_with_the_runtimes_qos():
-    # Spec 2.1 create_hwctx: qos_p u64 @16, max_opc u32 @32, num_tiles u32 @36; spec 12: the out-of-tree
+    # docs/uapi.md 2.1 create_hwctx: qos_p u64 @16, max_opc u32 @32, num_tiles u32 @36; docs/uapi.md 12: the out-of-tree
     # driver reads a 32-byte qos_info whose u32 user_start_col @24 must be 0xFF ("not requested").
     seen = []
 
@@ -508,7 +509,8 @@ def test_context_probe_asks_one_column_with_the_runtimes_qos():
             result = doctor.check_contexts(dev)
             live_after = dev.hw_contexts()
     assert result.status == PASS and live_after == []  # created and destroyed again
-    assert seen == [(bytes(24) + (0xFF).to_bytes(4, "little") + bytes(4), 0, 4)]  # one column = 4 core rows (spec 8)
+    # one column = 4 core rows (docs/uapi.md 8)
+    assert seen == [(bytes(24) + (0xFF).to_bytes(4, "little") + bytes(4), 0, 4)]
 
 
 def test_self_test_design_with_one_buffer_is_unusable():
@@ -545,7 +547,7 @@ def test_cli_missing_node_with_the_module_not_loaded(tmp_path, capsys):
 def test_cli_permission_denied(tmp_path, capsys):
     root = make_tree(tmp_path, mode=0o660)
     assert main(["doctor", "--root", str(root), "--user", "alice", "--json"]) == 1
-    results = by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out))
+    results = by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out)["checks"])
     assert results["node"].status == PASS
     assert results["permission"].status == FAIL
     assert "usermod -aG render alice" in results["permission"].fix
@@ -573,7 +575,7 @@ def test_cli_emulator_passes(tmp_path, capsys):
         ["[skip]", "node"], ["[skip]", "permission"], ["[pass]", "memlock"], ["[skip]", "kernel-log"],
         ["[pass]", "feature-level"], ["[pass]", "firmware"], ["[pass]", "contexts"], ["[pass]", "self-test"]]
     assert "firmware 1.5.5.391" in lines[5]  # the npu1 profile's firmware, read back through GET_INFO
-    assert "0 context(s) live of 6" in lines[6]  # NPU1 firmware limit (spec 8)
+    assert "0 context(s) live of 6" in lines[6]  # NPU1 firmware limit (docs/uapi.md 8)
     assert lines[-1] == "0 failed, 0 warning(s), 0 info, 5 passed, 3 skipped"
 
 
@@ -586,11 +588,11 @@ def doctor_args(device, **overrides) -> argparse.Namespace:
 def run_doctor(device, capsys, **overrides) -> tuple[int, dict[str, doctor.CheckResult]]:
     """``doctor --json`` on ``device`` (an EmuDevice or a stand-in); returns the exit code and the results."""
     rc = doctor_cmd.run(doctor_args(device, json=True, **overrides))
-    return rc, by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out))
+    return rc, by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out)["checks"])
 
 
 def test_cli_old_driver_numbering_fails_and_skips_the_rest(capsys):
-    # A pre-December-2024 out-of-tree driver: nr 0x47 is its WAIT_CMD, so GET_INFO is refused (spec 1b).
+    # A pre-December-2024 out-of-tree driver: nr 0x47 is its WAIT_CMD, so GET_INFO is refused (docs/uapi.md 1b).
     with EmuDevice("npu1") as emu:
         old = AlteredDriver(emu, fail={DRM_IOCTL_AMDXDNA_GET_INFO: lambda req: errno.EINVAL})
         rc, results = run_doctor(old, capsys)
@@ -613,13 +615,13 @@ def test_cli_driver_without_timeline_syncobjs_fails(capsys):
 
 
 def test_cli_linux_6_14_driver_warns_but_passes(capsys):
-    with EmuDevice("npu1", drm_minor=0) as emu:  # Linux 6.14-6.17 feature level (spec 11)
+    with EmuDevice("npu1", drm_minor=0) as emu:  # Linux 6.14-6.17 feature level (docs/uapi.md 11)
         assert doctor_cmd.run(doctor_args(emu)) == 0  # a warning is not a failure
     out = capsys.readouterr().out
     assert "[WARN] feature-level  amdxdna_accel_driver 0.0: GET_ARRAY unavailable (EINVAL)" in out
     assert "fix: use Linux >= 6.18" in out
     assert "[pass] self-test" in out  # kernels still run at feature level 0.0
-    assert "0 context(s) live of 6;" in out  # no QUERY_RESOURCE_INFO before 0.4: the NPU1 limit of spec 8
+    assert "0 context(s) live of 6;" in out  # no QUERY_RESOURCE_INFO before 0.4: the NPU1 limit of docs/uapi.md 8
 
 
 def test_cli_unreadable_firmware_version_fails(capsys):
@@ -684,7 +686,8 @@ def test_cli_environment_device_ignored_for_another_root(tmp_path, capsys, monke
 
 def test_cli_no_free_contexts_exit_1(capsys):
     with EmuDevice("npu4") as emu:
-        emu.faults.cap_contexts(0)  # the firmware refuses every context (spec 4.1: EINVAL from the firmware step)
+        # the firmware refuses every context (docs/uapi.md 4.1: EINVAL from the firmware step)
+        emu.faults.cap_contexts(0)
         assert doctor_cmd.run(doctor_args(emu)) == 1
     out = capsys.readouterr().out
     contexts = out[out.index("[FAIL] contexts"):].splitlines()
@@ -786,7 +789,7 @@ def test_cli_passthrough_and_protocol_mismatch_without_a_node_report_the_mismatc
     # The issue's case: no node, an IOMMU passthrough line and the protocol line; nothing about modprobe.
     root = make_tree(tmp_path, node=False, driver=None, loaded=True, kmsg=KMSG_PASSTHROUGH_AND_PROTOCOL)
     assert main(["doctor", "--root", str(root), "--json"]) == 1
-    results = by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out))
+    results = by_name(doctor.CheckResult(**r) for r in json.loads(capsys.readouterr().out)["checks"])
     node, log = results["node"], results["kernel-log"]
     assert node.status == FAIL and "driver/firmware mismatch" in node.detail
     assert "sudo modprobe amdxdna`" not in node.fix and "load it" not in node.fix

@@ -23,10 +23,13 @@ NPU1 = "mlir-aie-npu1_1col"
 
 
 def run_json(capsys, *argv: str) -> dict:
+    """The document of ``amdxdna COMMAND FILE --json`` without its envelope (schema, command, file), checked."""
     assert main([*argv, "--json"]) == 0
     out = capsys.readouterr()
     assert out.err == ""
-    return json.loads(out.out)
+    doc = json.loads(out.out)
+    assert (doc.pop("schema"), doc.pop("command"), doc.pop("file")) == (1, argv[0], argv[-1])  # docs/cli.md
+    return doc
 
 
 # --------------------------------------------------------------------------------------------- xclbin
@@ -62,7 +65,7 @@ def test_xclbin_json_document(capsys):
     (pdi,) = part["pdis"]
     assert set(pdi) == {"uuid", "size", "sha256", "cdo_groups"}
     assert pdi["uuid"] == uuidlib.UUID(want["PDIs"][0]["uuid"]).hex
-    # the PDI image is the 2640 bytes starting with the PDI magic (spec 3.8), found in the raw file
+    # the PDI image is the 2640 bytes starting with the PDI magic (docs/xrt-sequence.md 3.8), found in the raw file
     start = raw.index(bytes.fromhex("DD000000 44332211 88776655 CCBBAA99"))
     assert (pdi["size"], pdi["sha256"]) == (2640, hashlib.sha256(raw[start:start + 2640]).hexdigest())
     assert pdi["cdo_groups"] == [{"name": g["name"], "type": g["type"], "pdi_id": int(g["pdi_id"], 16),
@@ -138,7 +141,7 @@ def test_xclbin_text_summary(capsys):
 # --------------------------------------------------------------------------------------------- insts
 
 
-# The npu1_1col insts.bin ops worked out by hand from its words (spec 2.3).
+# The npu1_1col insts.bin ops worked out by hand from its words (docs/xrt-sequence.md 2.3).
 BD = [0, 0, 0, 0x80000000, 0x02000000, 0, 0x02000000]
 NPU1_OPS_JSON = [
     {"op": "blockwrite", "addr": 0x1D020, "words": [0x10] + BD},
@@ -241,7 +244,8 @@ def test_format_errors_exit_1_with_the_parser_message(capsys, tmp_path):
 @pytest.mark.parametrize("argv", [[], ["bogus"], ["xclbin"], ["insts", "a", "b"], ["xclbin", "--nope", "f"]])
 def test_usage_errors_exit_2(capsys, argv):
     assert main(argv) == 2
-    assert "usage: amdxdna" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("amdxdna") and "error: " in err and "--help`)" in err and err.count("\n") == 1, err
 
 
 def test_help_exits_0(capsys):
@@ -257,4 +261,4 @@ def test_python_dash_m_entry_point():
     assert json.loads(done.stdout)["ops"] == NPU1_OPS_JSON
     done = subprocess.run([sys.executable, "-m", "amdxdna_direct.cli", "insts"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 2 and "usage: amdxdna" in done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("amdxdna insts: error: the following arguments are required")

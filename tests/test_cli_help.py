@@ -117,3 +117,57 @@ def test_a_malformed_input_file_exits_1_in_every_command(tmp_path, capsys):
 def test_trace_exit_status_is_the_programs(capsys):
     assert main(["trace", "--no-log", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 7
     assert "exited with status 7" in capsys.readouterr().out
+
+
+def test_the_top_level_help_imports_no_subcommand():
+    # issue 14: `amdxdna --help` lists the commands from the registry alone. Oracle: sys.modules after the
+    # help, against a bare `import amdxdna_direct` in the same kind of process.
+    probe = ("import sys, contextlib, io\n"
+             "base = set(sys.modules)\n"
+             "from amdxdna_direct.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n"
+             "    code = main(['--help'])\n"
+             "print(code, sorted(m for m in set(sys.modules) - base if m.startswith('amdxdna_direct.')))\n")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", "import amdxdna_direct\n" + probe], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0 ['amdxdna_direct.cli']"
+
+
+def test_the_lazy_help_is_the_full_parsers_help(capsys):
+    from amdxdna_direct.cli import COMMANDS
+
+    assert main(["--help"]) == 0
+    lazy = capsys.readouterr().out
+    assert lazy == build_parser().format_help()
+    assert list(COMMANDS) == ["xclbin", "insts", *(n for n in COMMANDS if n not in FILE_COMMANDS)]
+    for name, (_, summary) in COMMANDS.items():
+        assert subparser(name).description and f"    {name}" in lazy and summary.split()[0] in lazy
+
+
+def test_the_cli_doc_covers_every_command_and_points_to_the_sam3_doc():
+    from amdxdna_direct.cli import COMMANDS
+
+    doc = CLI_DOC.read_text()
+    assert all(f"### `amdxdna {name}" in doc for name in COMMANDS)
+    assert "docs/sam3-cli.md" in doc and "### Conventions" in doc and "### Logging" in doc
+
+
+def test_version_is_printed_on_stdout(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("amdxdna (amdxdna-direct) ")
+
+
+def test_a_usage_error_is_one_line_naming_the_command_and_a_json_error_with_json(capsys):
+    assert main(["info", "--nope"]) == 2
+    assert capsys.readouterr().err == ("amdxdna info: error: unrecognized arguments: --nope "
+                                       "(see `amdxdna info --help`)\n")
+    assert main(["run", "--json", "--repeat", "x"]) == 2
+    out, err = capsys.readouterr()
+    import json
+
+    assert json.loads(out) == {"schema": 1, "command": "run", "ok": False,
+                               "error": "argument --repeat: invalid int value: 'x'"}
+    assert err == "amdxdna run: error: argument --repeat: invalid int value: 'x' (see `amdxdna run --help`)\n"

@@ -1,6 +1,6 @@
 """amdxdna info on the emulator.
 
-Oracles: spec/amdxdna-uapi.md 8 (PCI ids, 5 NPU1 columns with shim row 0, mem row 1, core rows 2-5,
+Oracles: docs/uapi.md 8 (PCI ids, 5 NPU1 columns with shim row 0, mem row 1, core rows 2-5,
 firmware context limits 6/16), 11 (QUERY_HW_CONTEXTS from feature level 0.0, QUERY_RESOURCE_INFO only
 from 0.4), the emulator profile's firmware version and clocks (what GET_INFO must carry back), and the
 contexts and commands this test itself creates on a second file descriptor.
@@ -78,7 +78,7 @@ def test_context_table_shows_another_fds_context(capsys):
     entry = table[0]
     assert (entry["num_col"], entry["pid"], entry["errors"]) == (2, os.getpid(), 0)
     assert entry["command_submissions"] == entry["command_completions"] == 3
-    assert entry["start_col"] % 2 == 0  # NPU4 places contexts at a multiple of their width (spec 4.1 step 6)
+    assert entry["start_col"] % 2 == 0  # NPU4 places contexts at a multiple of their width (docs/uapi.md 4.1 step 6)
     header, row, details = text.splitlines()[-3:]
     assert header.split() == ["id", "columns", "pid", "process", "state", "prio", "submitted", "completed", "errors"]
     fields = row.split()
@@ -96,7 +96,7 @@ def test_resource_info_not_supported_before_level_0_4(capsys):
 
 
 def test_feature_level_0_0_still_lists_contexts(capsys):
-    # Linux 6.14-6.17: GET_INFO QUERY_HW_CONTEXTS exists from 0.0, QUERY_RESOURCE_INFO only from 0.4 (spec 11).
+    # Linux 6.14-6.17: GET_INFO QUERY_HW_CONTEXTS exists from 0.0, QUERY_RESOURCE_INFO only from 0.4 (docs/uapi.md 11).
     with EmuDevice("npu1", drm_minor=0) as emu:
         with open_device(emu) as other:
             held = other.hw_context(build_mlir_aie(b"pdi", column_width=1, n_buffers=2))  # kept alive while queried
@@ -123,7 +123,8 @@ def test_device_from_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("AMDXDNA_DEVICE", "emu:npu5")
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert (info["device"], info["pci"]["device"], info["pci"]["revision"]) == ("emu:npu5", "17f0", "11")  # spec 8
+    # docs/uapi.md 8
+    assert (info["device"], info["pci"]["device"], info["pci"]["revision"]) == ("emu:npu5", "17f0", "11")
 
 
 @pytest.mark.parametrize("argv, env", [(["info", "--device", "emu:npu9"], None), (["info"], "emu:npu9"),
@@ -144,7 +145,8 @@ def test_missing_node_exits_1(tmp_path, capsys):
 
 
 def test_pci_identity_from_sysfs(tmp_path):
-    # The layout of spec 8 / xrt-npu-sequence 1.1: /sys/class/accel/accelN/device -> the PCI device directory.
+    # The layout of docs/uapi.md 8 / docs/xrt-sequence.md 1.1: /sys/class/accel/accelN/device -> the PCI device
+    # directory.
     pci = tmp_path / "sys/devices/pci0000:00/0000:00:08.2/0000:c6:00.1"
     pci.mkdir(parents=True)
     for name, value in (("vendor", "0x1022"), ("device", "0x17f0"), ("revision", "0x20"), ("vbnv", "RyzenAI-npu6"),
@@ -165,8 +167,8 @@ def test_pci_identity_from_sysfs(tmp_path):
 
 # --- the driver's full context entries (GET_ARRAY) --------------------------------------------------------
 
-DRM_IOCTL_AMDXDNA_GET_ARRAY = 0xC018644A  # amdxdna-uapi.md 1a
-# struct amdxdna_drm_hwctx_entry (spec 2.5): (name, offset, struct format); 144 bytes, + char name[16] = 160.
+DRM_IOCTL_AMDXDNA_GET_ARRAY = 0xC018644A  # docs/uapi.md 1a
+# struct amdxdna_drm_hwctx_entry (docs/uapi.md 2.5): (name, offset, struct format); 144 bytes, + char name[16] = 160.
 ENTRY_LAYOUT = (("context_id", 0, "I"), ("start_col", 4, "I"), ("num_col", 8, "I"), ("hwctx_id", 12, "I"),
                 ("pid", 16, "q"), ("command_submissions", 24, "Q"), ("command_completions", 32, "Q"),
                 ("migrations", 40, "Q"), ("preemptions", 48, "Q"), ("errors", 56, "Q"), ("priority", 64, "Q"),
@@ -189,7 +191,7 @@ def staging_entry(**values) -> bytes:
 
 def answer_entries(entries: list[bytes], size: int):
     """An AlteredDriver edit: GET_ARRAY(HW_CONTEXT_ALL) answers these entries of ``size`` bytes
-    (struct amdxdna_drm_get_array: element_size u32 @4, num_element u32 @8, buffer u64 @16; spec 2.4)."""
+    (struct amdxdna_drm_get_array: element_size u32 @4, num_element u32 @8, buffer u64 @16; docs/uapi.md 2.4)."""
     def edit(buf) -> None:
         _, _, _, _, address = struct.unpack_from("<IIIIQ", buf, 0)
         data = b"".join(entries)
@@ -204,6 +206,7 @@ def test_info_json_without_a_device_is_still_json(tmp_path, capsys):
     doc = json.loads(out)
     assert doc["device"] == str(tmp_path / "accel5")
     assert "ENOENT" in doc["error"] and "accel5" in doc["error"] and "doctor" in doc["hint"]
+    assert (doc["schema"], doc["command"], doc["ok"]) == (1, "info", False)  # the error object, docs/cli.md
     assert "ENOENT" in err
 
 
@@ -216,7 +219,7 @@ def test_info_json_carries_every_field_of_the_mainline_entry(capsys):
     entry, = json.loads(capsys.readouterr().out)["contexts"]
     assert set(ENTRY_FIELDS) <= set(entry)
     assert entry["source"] == "GET_ARRAY" and entry["element_size"] in (144, 160)
-    assert entry["priority"] == 0x280 and entry["priority_name"] == "low"  # AMDXDNA_QOS_LOW_PRIORITY (spec 3)
+    assert entry["priority"] == 0x280 and entry["priority_name"] == "low"  # AMDXDNA_QOS_LOW_PRIORITY (docs/uapi.md 3)
     assert entry["pid"] == os.getpid() and entry["num_col"] == 1
     if entry["element_size"] == 144:
         assert entry["name"] is None  # mainline entries have no process name
@@ -276,7 +279,8 @@ def configure(device, pmode: str, capsys, as_json: bool = True) -> tuple[int, di
 def test_configure_sets_the_mode_and_info_reads_it_back(capsys):
     with EmuDevice("npu4", cap_sys_admin=True) as emu:
         rc, doc, _ = configure(emu, "high", capsys)
-        assert rc == 0 and doc == {"device": "emu:npu4", "before": "DEFAULT", "after": "HIGH"}
+        assert rc == 0 and doc == {"schema": 1, "command": "configure", "device": "emu:npu4", "before": "DEFAULT",
+                                   "after": "HIGH"}
         assert info_cmd.run(argparse.Namespace(device=emu, json=True)) == 0
         info = json.loads(capsys.readouterr().out)
         rc, text, _ = configure(emu, "default", capsys, as_json=False)

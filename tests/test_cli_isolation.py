@@ -9,7 +9,7 @@ raise no audit event, so they are not seen.
 
 ``AlteredDriver``: an ``EmuDevice`` whose file descriptors answer some requests as another driver would
 (an older ioctl numbering, a missing capability, a failing query), for the failing paths of doctor and
-info. Request numbers and struct offsets are the spec's (abi-facts-drm.txt, amdxdna-uapi.md 1a, 2.4),
+info. Request numbers and struct offsets are the spec's (docs/uapi.md A.3, docs/uapi.md 1a, 2.4),
 not abi.py's.
 """
 
@@ -31,10 +31,10 @@ OWN_STATE_PREFIX = "/proc/self/"
 _WATCHED_EVENTS = frozenset({"open", "os.scandir", "os.listdir", "glob.glob"})
 _guard: dict = {"active": False, "touched": []}
 
-DRM_IOCTL_GET_CAP = 0xC010640C                # abi-facts-drm.txt
-DRM_IOCTL_AMDXDNA_CREATE_HWCTX = 0xC0386440   # amdxdna-uapi.md 1a
-DRM_IOCTL_AMDXDNA_GET_INFO = 0xC0106447       # amdxdna-uapi.md 1a
-QUERY_FIRMWARE_VERSION = 8                    # amdxdna-uapi.md 10
+DRM_IOCTL_GET_CAP = 0xC010640C                # docs/uapi.md A.3
+DRM_IOCTL_AMDXDNA_CREATE_HWCTX = 0xC0386440   # docs/uapi.md 1a
+DRM_IOCTL_AMDXDNA_GET_INFO = 0xC0106447       # docs/uapi.md 1a
+QUERY_FIRMWARE_VERSION = 8                    # docs/uapi.md 10
 
 
 def _system_path(path: object) -> str | None:
@@ -125,7 +125,7 @@ class AlteredDriver:
 
 
 def get_info_param(request: bytes) -> int:
-    """``param`` of a struct amdxdna_drm_get_info (u32 at offset 0, amdxdna-uapi.md 2.4)."""
+    """``param`` of a struct amdxdna_drm_get_info (u32 at offset 0, docs/uapi.md 2.4)."""
     return struct.unpack_from("<I", request, 0)[0]
 
 

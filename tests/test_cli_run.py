@@ -1,8 +1,8 @@
 """amdxdna run: numpy files in and out on the emulator.
 
 Oracles: the real npu1_1col fixture (its insts.bin patches buffer slots 0 and 2, BD lengths 68 and 64 bytes,
-decoded by hand in spec/xrt-npu-sequence.md 2.3), numpy for the GEMM, and the XRT per-run ioctls of
-spec xrt-npu-sequence.md 1.8-1.9 (one EXEC_CMD, one SYNCOBJ_TIMELINE_WAIT).
+decoded by hand in docs/xrt-sequence.md 2.3), numpy for the GEMM, and the XRT per-run ioctls of
+docs/xrt-sequence.md 1.8-1.9 (one EXEC_CMD, one SYNCOBJ_TIMELINE_WAIT).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """amdxdna top: snapshots of the driver's context entries, rates from counter deltas, plain and curses output.
 
-Oracles: the field list of amdxdna_drm_hwctx_entry (spec amdxdna-uapi.md 2.5, written out below, not
+Oracles: the field list of amdxdna_drm_hwctx_entry (docs/uapi.md 2.5, written out below, not
 taken from abi.py), the commands this test itself submits on a second file descriptor, arithmetic on
 counters over a clock the test controls, and a pseudo-terminal driving the real command (it must redraw
 and quit on ``q``).
@@ -31,7 +31,7 @@ no_system_files = test_cli_isolation.no_system_files
 pytestmark = pytest.mark.usefixtures("no_system_files")
 
 REPO = Path(__file__).resolve().parents[1]
-# struct amdxdna_drm_hwctx_entry (spec 2.5): every field but pad; `name` only in the 160-byte layout.
+# struct amdxdna_drm_hwctx_entry (docs/uapi.md 2.5): every field but pad; `name` only in the 160-byte layout.
 ENTRY_FIELDS = ("context_id", "start_col", "num_col", "hwctx_id", "pid", "command_submissions",
                 "command_completions", "migrations", "preemptions", "errors", "priority", "heap_usage",
                 "suspensions", "state", "pasid", "gops", "fps", "dma_bandwidth", "latency", "frame_exec_time",

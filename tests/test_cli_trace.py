@@ -1,8 +1,8 @@
 """amdxdna trace: a child program's ioctls, decoded and summarised.
 
-Oracles: the ioctls a small script provably makes (spec xrt-npu-sequence.md 1.2 and 1.4: VERSION at open,
+Oracles: the ioctls a small script provably makes (docs/xrt-sequence.md 1.2 and 1.4: VERSION at open,
 CREATE_BO + GET_BO_INFO per buffer, GEM_CLOSE at close), the errno of a GEM_CLOSE on an unknown handle
-(spec driver-rules D7: EINVAL), and hand-written lines in amdxdna_direct.trace's record format.
+(docs/driver-rules.md D7: EINVAL), and hand-written lines in amdxdna_direct.trace's record format.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def test_output_file_that_cannot_be_written(tmp_path, capsys):
 
 def test_unknown_emulator_profile_is_a_usage_error(capsys):
     assert main(["trace", "--device", "emu:npu9", "--", sys.executable, "-c", "pass"]) == 2
-    assert "argument --device: 'emu:npu9': unknown emulator profile" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --device: emu:npu9: unknown emulator profile 'npu9'" in err and err.count("\n") == 1
 
 
 def test_environment_trace_lines_are_what_the_command_decodes(tmp_path):
@@ -146,3 +147,22 @@ def test_environment_trace_lines_are_what_the_command_decodes(tmp_path):
     table = lines[lines.index(TRACE_PREFIX + traced[-1]) + 2:]  # after the header line and the column titles
     assert [row.split()[:3] for row in table] == [[name, str(row["count"]), str(row["errors"])]
                                                   for name, row in expected.items()]
+
+
+def test_json_on_stdout_keeps_the_programs_stdout_out_of_the_document(tmp_path):
+    # issue 16 item 6: with --json and no -o the program's stdout goes to stderr; stdout is the document alone.
+    (tmp_path / "script.py").write_text(SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "amdxdna_direct.cli", "trace", "--device", "emu:npu1", "--json",
+                           "--", sys.executable, str(tmp_path / "script.py")], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 3
+    document = json.loads(done.stdout)
+    assert (document["schema"], document["command"], document["exit_status"]) == (1, "trace", 3)
+    assert document["program"][-1] == str(tmp_path / "script.py")
+    assert "script stdout" in done.stderr and "script stderr" in done.stderr
+
+
+def test_the_json_document_has_the_schema_and_names_the_program(traced):
+    _, document = traced
+    assert (document["schema"], document["command"]) == (1, "trace")
+    assert document["program"][0] == sys.executable and document["program"][1].endswith("script.py")

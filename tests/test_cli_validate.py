@@ -216,7 +216,12 @@ def test_xrt_validate_designs_are_found_and_explained(tmp_path, capsys):
                                                       "recipe_latency.json": b"{}"}))
     assert main(["validate", "--device", "emu:npu4", "--xrt", str(tmp_path / "xrt"), *QUICK]) == 2
     out, err = capsys.readouterr()
-    assert out == ""  # nothing runnable (XRT's designs run ELF control code): no report, the reasons on stderr
+    # Nothing runnable (XRT's designs run ELF control code): no report but the JSON error object, the reasons on
+    # stderr in one line.
+    error = json.loads(out)
+    assert (error["schema"], error["command"], error["ok"]) == (1, "validate", False)
+    assert error["error"] in err and err.count("\n") == 1
+    assert [d["status"] for d in error["designs"]] == ["skipped", "skipped"]
     assert "XRT 17f0_10/validate.xclbin: no TXN instruction stream beside it" in err and "nop.elf" in err
     assert "XRT xrt_smi_strx.a: holds nop.elf, recipe_latency.json, validate.xclbin" in err
     assert "1502_00" not in err  # another generation's directory

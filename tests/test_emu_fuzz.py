@@ -1,9 +1,9 @@
 """The emulator's ioctl surface under hostile input: random structs, pointers, packets, streams and threads.
 
-Oracles: the errnos of spec/driver-rules.md and spec/amdxdna-uapi.md (only an OSError with one of them may
+Oracles: the errnos of docs/docs/driver-rules.md and docs/uapi.md (only an OSError with one of them may
 come out of an ioctl, its message naming the errno), the kernel facts each regression cites (DRM's
 kmalloc_array of user arrays, shmem_file_setup's size limit, fput after the last ioctl of a closed fd), the
-ERT states of spec 6.6 (every job's fence signals, its state is one of NEW COMPLETED ERROR ABORT TIMEOUT), and
+ERT states of docs/uapi.md 6.6 (every job's fence signals, its state is one of NEW COMPLETED ERROR ABORT TIMEOUT), and
 the device counters (nothing live after close). Examples are bounded and derandomized; every wait is bounded.
 """
 
@@ -61,7 +61,7 @@ from hypothesis import strategies as st
 
 from amdxdna_direct.emu import DeviceFault, EmuDevice, Passthrough, txn
 
-# Every errno the spec gives an ioctl (driver-rules.md D-I, amdxdna-uapi.md 4-5, 12), ENOMEM included
+# Every errno the spec gives an ioctl (docs/driver-rules.md D-I, docs/uapi.md 4-5, 12), ENOMEM included
 # (DRM allocations, the backing store); EBADF is a closed fd.
 SPEC_ERRNOS = {errno.ENOTTY, errno.EINVAL, errno.ENODEV, errno.EACCES, errno.EFAULT, errno.ENOENT, errno.ENOSPC,
                errno.EBUSY, errno.E2BIG, errno.EOPNOTSUPP, errno.ETIME, errno.EBADF, errno.ENOMEM, errno.EAGAIN}

@@ -1,7 +1,7 @@
-"""The 2026 expandable heap behind ``EmuDevice(..., expandable_heap=True)`` (spec amdxdna-uapi.md 4.4, 7).
+"""The 2026 expandable heap behind ``EmuDevice(..., expandable_heap=True)`` (docs/uapi.md 4.4, 7).
 
 Raw-ioctl tests (tests/emu_raw.py, structs from the ABI facts) provoke each rule of the staging paragraph
-of spec 4.4: DEV_HEAP sizes are non-zero multiples of 64 MiB, chunks append at 0x4000000 + cumulative size
+of docs/uapi.md 4.4: DEV_HEAP sizes are non-zero multiples of 64 MiB, chunks append at 0x4000000 + cumulative size
 up to dev_heap_max_size (NPU1 64 MiB, NPU4/5/6 512 MiB) then ENOSPC, a DEV BO short of heap or over an
 unmapped chunk is EAGAIN, and the chunks under one DEV BO must sit at contiguous user VAs (else EINVAL).
 The last tests drive the runtime's XRT-style growth (device.py grow_heap, bo.py retry on EAGAIN).
@@ -35,7 +35,7 @@ from amdxdna_direct.errors import XdnaError
 
 KIB = 1 << 10
 MIB = 1 << 20
-CHUNK = 64 * MIB                    # AIE2_DEVM_SIZE: the unit of heap sizes (spec 4.4 staging)
+CHUNK = 64 * MIB                    # AIE2_DEVM_SIZE: the unit of heap sizes (docs/uapi.md 4.4 staging)
 
 
 @pytest.fixture
@@ -239,7 +239,7 @@ def test_runtime_runs_instructions_from_a_grown_chunk(npu1_fixture):
 
 
 def test_runtime_grows_the_heap_when_a_context_finds_it_short(npu1_fixture):
-    # A context takes 4 x 32 KiB of heap (spec 4.1); with chunk 0 full the driver answers EAGAIN and the
+    # A context takes 4 x 32 KiB of heap (docs/uapi.md 4.1); with chunk 0 full the driver answers EAGAIN and the
     # runtime grows the heap, as it does for a DEV BO.
     emu = EmuDevice("npu4", expandable_heap=True)
     dev = open_device(emu)

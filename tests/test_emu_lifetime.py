@@ -1,7 +1,7 @@
 """Lifetimes across threads: munmap of a mapping in-flight jobs use, device loss and close with waiters blocked.
 
-Oracles: spec/amdxdna-uapi.md 7 (lifetime: "munmap/invalidation of a mapped arg BO blocks until the BO's
-fences signal"), spec/driver-rules.md D5 (after loss every ioctl answers ENODEV) and E6, the passthrough data
+Oracles: docs/uapi.md 7 (lifetime: "munmap/invalidation of a mapped arg BO blocks until the BO's
+fences signal"), docs/driver-rules.md D5 (after loss every ioctl answers ENODEV) and E6, the passthrough data
 each job must produce, and the device counters (nothing live after close). Every wait is bounded; a gate
 model holds a job open until the test releases it.
 """

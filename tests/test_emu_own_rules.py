@@ -223,7 +223,7 @@ def hwctx_all(raw: Raw, element_size: int, num_element: int) -> tuple[bytes, int
     return mem.read(), values[1], values[2]
 
 
-ENTRY = "<IIIIqQQQQQQQQIIIIIIIIIIIIII"      # amdxdna_drm_hwctx_entry, 144 bytes (offsets of spec 2.5)
+ENTRY = "<IIIIqQQQQQQQQIIIIIIIIIIIIII"      # amdxdna_drm_hwctx_entry, 144 bytes (offsets of docs/uapi.md 2.5)
 
 
 @pytest.mark.parametrize("entry_size", [144, 160])

@@ -130,7 +130,7 @@ def test_an_injected_hang_still_times_out(npu):
 def test_a_fault_in_an_inline_model_is_the_commands_reason(npu):
     """A built-in model run on the worker fails as on the engine: ERROR, with the model's own message."""
     ctx, syncobj = npu.context()
-    model = Gemm(4, 8, 16, 8, "kn")
+    model = Gemm(4, 8, 16, 8)
     job = npu.passthrough(nbytes=model.b_bytes, tag=1, model=model)   # two buffers: C (arg 2) is missing
     assert run_one(npu, ctx, syncobj, job) == ERT_STATE_ERROR
     assert npu.seam.command_reason(ctx, 0) == (f"device fault in {model.name}: {model.name}: C (arg 2) is not "

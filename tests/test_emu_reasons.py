@@ -1,8 +1,8 @@
 """Why a command failed: EmuDevice.command_reason / EmuSeam.command_reason (docs/emulator.md, "Why a command failed").
 
 Oracles: the messages the firmware states for each failure (no model, injected error, a model's own exception, a
-malformed packet, TDR, the aborts that follow it), the ERT states of spec/amdxdna-uapi.md 6 and the per-fd scope of
-context handles (spec 4.1).
+malformed packet, TDR, the aborts that follow it), the ERT states of docs/uapi.md 6 and the per-fd scope of
+context handles (docs/uapi.md 4.1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The emulated driver against spec/driver-rules.md: one test per rule D*, H*, B*, I* (E* live in test_emu_exec.py).
+"""The emulated driver against docs/driver-rules.md: one test per rule D*, H*, B*, I* (E* live in test_emu_exec.py).
 
 Every test drives the emulator with raw request numbers and structs packed by hand (tests/emu_raw.py,
 from the ABI facts) and checks the errno or the effect the spec names.
@@ -441,7 +441,7 @@ def test_rule_H10_in_flight_jobs_abort():
         start = time.monotonic()
         destroy.start()
         time.sleep(0.1)
-        # DESTROY_HWCTX waits (2 s, spec 4.2) without holding the driver: other ioctls go through meanwhile.
+        # DESTROY_HWCTX waits (2 s, docs/uapi.md 4.2) without holding the driver: other ioctls go through meanwhile.
         raw.gem_close(raw.create_bo(PAGE, BO_SHMEM))
         assert raw.query(job.syncobj) == 0 and time.monotonic() - start < 1.0 and destroy.is_alive()
         destroy.join(10)
@@ -682,7 +682,7 @@ def test_rule_I5(raw):
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 200, 8)
     assert (size, count) == (HWCTX_ENTRY_SIZE, 3)
     assert [struct.unpack_from("<I", data, i * size)[0] for i in range(3)] == handles
-    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, spec 2.5): columns 0..0, pid, the fd's heap usage (the
+    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, docs/uapi.md 2.5): columns 0..0, pid, the fd's heap usage (the
     # 4 x 4 KiB command-list BOs of each of the 3 contexts), priority HIGH for a zero QoS, state ACTIVE, the PASID.
     first = struct.unpack_from("<IIIIqQQQQQQQQII", data)
     assert first[1:3] == (0, 1) and first[4] == os.getpid() and first[10:12] == (0x180, 3 * 4 * PAGE)
@@ -714,14 +714,14 @@ def test_rule_I6(raw):
     assert errno_of(mode, 4) == errno.EINVAL
     mode(3)
     assert raw.get_info(GET_POWER_MODE, 8)[0][0] == 3
-    assert clocks() == levels[-1]                                  # HIGH: the top level (spec 10)
+    assert clocks() == levels[-1]                                  # HIGH: the top level (docs/uapi.md 10)
     raw.destroy_hwctx(ctx)
     mode(4)
     assert raw.get_info(GET_POWER_MODE, 8)[0][0] == 4
 
 
 def test_preemption_attributes_round_trip():
-    """SET_STATE 3/4 and GET_INFO 11/13 (0.6): state 0/1 with zero pad, per attribute (spec 10)."""
+    """SET_STATE 3/4 and GET_INFO 11/13 (0.6): state 0/1 with zero pad, per attribute (docs/uapi.md 10)."""
     force_get, frame_get, force_set, frame_set = 11, 13, 3, 4
     with emu_device("npu4", cap_sys_admin=True) as device:
         raw = Raw(device.open())
@@ -866,7 +866,7 @@ def test_emulator_is_independent_of_the_binding():
 
 
 def test_rule_table_names_every_rule_and_real_tests():
-    """docs/emulator.md maps each rule of spec/driver-rules.md to its tests: every rule has a row, every
+    """docs/emulator.md maps each rule of docs/driver-rules.md to its tests: every rule has a row, every
     test named there exists, and each rule's own test_rule_<N> is among them."""
     import ast
     import re
@@ -931,7 +931,7 @@ def test_rule_table_names_code_that_exists():
 
 
 def abi_fact_lines() -> list[str]:
-    """The lines of spec/abi-facts-amdxdna.txt and abi-facts-drm.txt (the test is skipped without them)."""
+    """The pinned facts of docs/uapi.md Appendix A."""
     lines = []
     for name in ("abi-facts-amdxdna.txt", "abi-facts-drm.txt"):
         path = SHARED / "spec" / name
@@ -950,7 +950,7 @@ def test_layouts_match_the_abi_facts():
             struct_name, size = line[len("struct "):].split(" size=")
             facts[struct_name] = int(size)
     # The facts hold the staging/OOT 160-byte hwctx_entry (hwctx_entry_oot) and the pre-deadline DRM wait structs;
-    # the emulator also models the mainline 144-byte entry, and the newer wait structs (spec 2.5, 5).
+    # the emulator also models the mainline 144-byte entry, and the newer wait structs (docs/uapi.md 2.5, 5).
     newer = {"amdxdna_drm_hwctx_entry": 144, "drm_syncobj_wait": 40, "drm_syncobj_timeline_wait": 48}
     checked = 0
     for layout in vars(layouts).values():

@@ -73,7 +73,7 @@ def test_sync_uses_to_device_for_both_directions_with_sub_ranges():
     sub.sync(direction="from_device")
     sub.sync(16, 32)
     decoded = [SYNC_BO.unpack_from(c[2]) for c in seam.calls[-2:]]
-    # FROM_DEVICE trap (spec 4.6): the runtime always sends direction 0 (TO_DEVICE)
+    # FROM_DEVICE trap (docs/uapi.md 4.6): the runtime always sends direction 0 (TO_DEVICE)
     assert decoded == [(parent.handle, 0, 4096, 1024), (parent.handle, 0, 4112, 32)]
     with pytest.raises(ValueError, match="direction"):
         sub.sync(direction="sideways")
@@ -131,7 +131,7 @@ class _EagainTogether(RecordingSeam):
 
 
 def test_threads_short_of_heap_grow_it_once():
-    # Expandable-heap driver (spec amdxdna-uapi.md 4.4): four threads whose DEV BOs overflow the first
+    # Expandable-heap driver (docs/uapi.md 4.4): four threads whose DEV BOs overflow the first
     # chunk all get EAGAIN together; one chunk is added for all of them, not one each.
     emu = EmuDevice("npu4", expandable_heap=True)
     seam = _EagainTogether(emu.open(), 4)

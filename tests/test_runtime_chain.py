@@ -11,10 +11,10 @@ from conftest import EXEC_CMD, emu_open, passthrough_stream, request_of, txn_dev
 from amdxdna_direct import RunList, Xclbin, cmd, errors, insts
 from amdxdna_direct.emu import Passthrough
 
-OUT_BYTES = 64      # insts.bin BD1 length: 16 words (hand-decoded, spec 2.3 worked example)
+OUT_BYTES = 64      # insts.bin BD1 length: 16 words (hand-decoded, docs/xrt-sequence.md 2.3 worked example)
 SLOT_IN = 128       # each run reads its own 128-byte slice of one A buffer ...
 SLOT_OUT = 64       # ... and writes its own 64-byte slice of one C buffer
-# Runs per chain packet, from spec amdxdna-uapi.md 6.5 / xrt-npu-sequence.md 1.7: the driver's 4 KiB
+# Runs per chain packet, from docs/uapi.md 6.5 / docs/xrt-sequence.md 1.7: the driver's 4 KiB
 # command list, slots of at most 52 header bytes + 4 per argument word, 15 regmap words per mlir-aie run.
 PER_CHAIN = 4096 // (52 + 4 * 15)
 

@@ -13,7 +13,7 @@ from amdxdna_direct import cmd
 
 
 def test_start_cu_header_matches_xrt_value_for_15_word_regmap():
-    # spec xrt-npu-sequence.md 1.7: header 0x30010001 = state NEW, count 16, opcode START_CU, type 3.
+    # docs/xrt-sequence.md 1.7: header 0x30010001 = state NEW, count 16, opcode START_CU, type 3.
     packet = bytearray(4096)
     used = cmd.encode_start_cu(packet, 0, bytes(60))
     assert struct.unpack_from("<I", packet, 0)[0] == 0x30010001
@@ -49,14 +49,14 @@ def test_encode_zeroes_the_whole_recycled_packet():
 
 
 def test_odd_short_payload_is_padded_to_even():
-    # spec 1.7 parity quirk: odd arg counts below 15 are aborted by npu4 firmware in chains.
+    # docs/xrt-sequence.md 1.7 parity quirk: odd arg counts below 15 are aborted by npu4 firmware in chains.
     assert cmd.payload_words(12) == 4      # 3 words -> 4
     assert cmd.payload_words(60) == 15     # the mlir-aie regmap stays 15
     assert cmd.payload_words(16) == 4
 
 
 def test_chain_packet_layout_and_decode():
-    # spec amdxdna-uapi.md 6.5: count, submit_index, error_index, reserved[3], u64 handles; no cu mask.
+    # docs/uapi.md 6.5: count, submit_index, error_index, reserved[3], u64 handles; no cu mask.
     packet = bytearray(4096)
     used = cmd.encode_chain(packet, [7, 9, 11])
     header = cmd.decode_header(struct.unpack_from("<I", packet, 0)[0])
@@ -83,7 +83,7 @@ def test_state_read_write_keep_other_fields():
        masks=st.integers(0, 3), kind=st.integers(0, 15))
 def test_header_bitfields_roundtrip(opcode, count, state, masks, kind):
     word = cmd.make_header(opcode, count, state=state, extra_cu_masks=masks, type_=kind)
-    # bit positions of spec 1.7 written out independently
+    # bit positions of docs/xrt-sequence.md 1.7 written out independently
     assert word == state | masks << 10 | count << 12 | opcode << 23 | kind << 28
     assert cmd.decode_header(word) == (state, 0, masks, count, opcode, kind)
 
@@ -93,12 +93,13 @@ def test_health_record_decode_and_ff_fill():
     struct.pack_into("<8I", packet, 4, 1, 1, 5, 0x1234, 2, 3, 0x40, 7)
     health = cmd.decode_health(packet)
     assert health == cmd.Health(1, 1, 5, 0x1234, 2, 3, 0x40, 7)
-    assert cmd.decode_health(b"\x00\x00\x00\x00" + b"\xff" * 60) is None   # spec 6.6 0xFF payload
+    assert cmd.decode_health(b"\x00\x00\x00\x00" + b"\xff" * 60) is None   # docs/uapi.md 6.6 0xFF payload
 
 
 def test_slot_cost_and_budget():
-    # ROCr: 52 + 4 * arg_cnt per slot in the 4 KiB list, e.g. 44 commands of arg_cnt 10 (spec 1.7 / 6.5);
-    # the driver takes at most 64 sub-commands per chain (spec 1.7).
+    # ROCr: 52 + 4 * arg_cnt per slot in the 4 KiB list, e.g. 44 commands of arg_cnt 10 (docs/xrt-sequence.md 1.7 /
+    # docs/uapi.md 6.5);
+    # the driver takes at most 64 sub-commands per chain (docs/xrt-sequence.md 1.7).
     assert cmd.chain_slot_cost(15) == 112 and cmd.chain_slot_cost(10) == 92
     assert cmd.CHAIN_SLOT_BUDGET // cmd.chain_slot_cost(10) == 44
     assert cmd.CHAIN_SLOT_BUDGET == 4096 and cmd.CHAIN_MAX_RUNS == 64

@@ -1,9 +1,9 @@
 """The device's context table: GET_ARRAY(HW_CONTEXT_ALL) entries indexed by the driver's element size.
 
-Oracles: the entry layout of spec/amdxdna-uapi.md 2.5 (offsets typed in below by hand, not taken from
+Oracles: the entry layout of docs/uapi.md 2.5 (offsets typed in below by hand, not taken from
 abi.py): 144-byte mainline entries, 160-byte staging / out-of-tree entries that add ``name[16]`` at 144;
-GET_ARRAY returns min(asked, its own size) as element_size (spec 10); QUERY_HW_CONTEXTS on feature
-level 0.0 drivers (spec 11); and the contexts and runs each test creates itself.
+GET_ARRAY returns min(asked, its own size) as element_size (docs/uapi.md 10); QUERY_HW_CONTEXTS on feature
+level 0.0 drivers (docs/uapi.md 11); and the contexts and runs each test creates itself.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from amdxdna_direct.device import HWCTX_ENTRY_SIZE, HwContextEntry, decode_hwctx
 from amdxdna_direct.emu import EmuDevice, Passthrough
 from amdxdna_direct.xclbin import build_mlir_aie
 
-GET_ARRAY = 0xC018644A                      # spec amdxdna-uapi.md 1a
-GET_ARRAY_STRUCT = struct.Struct("<IIIIQ")  # param, element_size, num_element, pad, buffer (spec 2.4)
+GET_ARRAY = 0xC018644A                      # docs/uapi.md 1a
+GET_ARRAY_STRUCT = struct.Struct("<IIIIQ")  # param, element_size, num_element, pad, buffer (docs/uapi.md 2.4)
 HW_CONTEXT_ALL = 0
-# (field, offset, format) of amdxdna_drm_hwctx_entry, spec 2.5.
+# (field, offset, format) of amdxdna_drm_hwctx_entry, docs/uapi.md 2.5.
 SPEC_FIELDS = [
     ("context_id", 0, "I"), ("start_col", 4, "I"), ("num_col", 8, "I"), ("hwctx_id", 12, "I"), ("pid", 16, "q"),
     ("command_submissions", 24, "Q"), ("command_completions", 32, "Q"), ("migrations", 40, "Q"),
@@ -164,7 +164,7 @@ def test_hw_contexts_index_160_byte_entries_by_the_returned_size():
 
 
 def test_hw_contexts_on_a_driver_without_get_array():
-    # Feature level 0.0 (Linux 6.14-6.17): no GET_ARRAY; QUERY_HW_CONTEXTS answers (spec 11).
+    # Feature level 0.0 (Linux 6.14-6.17): no GET_ARRAY; QUERY_HW_CONTEXTS answers (docs/uapi.md 11).
     with EmuDevice("npu1", drm_minor=0) as emu, open_device(emu) as dev:
         ctx = _run_three_times(dev, emu)
         (entry,) = dev.hw_contexts()

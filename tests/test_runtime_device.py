@@ -20,7 +20,7 @@ from amdxdna_direct.device import HEAP_CHUNK_SIZE
 from amdxdna_direct.emu import EmuDevice
 
 REPO = Path(__file__).resolve().parents[1]
-DRM_VERSION = struct.Struct("<iii4xQQQQQQ")  # spec amdxdna-uapi.md 5: major minor patch, then len/ptr pairs
+DRM_VERSION = struct.Struct("<iii4xQQQQQQ")  # docs/uapi.md 5: major minor patch, then len/ptr pairs
 
 
 @pytest.mark.parametrize("spec, profile", [("emu", "npu4"), ("emu:npu1", "npu1"), ("emu:npu6", "npu6")])
@@ -145,7 +145,7 @@ def test_a_driver_that_is_not_amdxdna_is_refused():
 
 
 def test_typed_info_queries_match_the_npu1_facts(device):
-    # spec amdxdna-uapi.md 8: NPU1 has 5 columns, 6 rows, core rows 2..5 (4 rows).
+    # docs/uapi.md 8: NPU1 has 5 columns, 6 rows, core rows 2..5 (4 rows).
     md = device.aie_metadata()
     if device.emulator is not None:
         assert (md.cols, md.rows, md.core.row_count, md.core.row_start, md.mem.row_start) == (5, 6, 4, 2, 1)
@@ -165,12 +165,12 @@ def test_hw_contexts_lists_ours_and_resource_info(device, npu1_fixture):
     ctx = device.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"))
     entries = device.hw_contexts()
     assert [(e.context_id, e.num_col, e.pid) for e in entries] == [(ctx.handle, 1, os.getpid())]
-    assert 1 <= entries[0].start_col <= 4          # NPU1: column 0 is not usable (spec 1.3)
+    assert 1 <= entries[0].start_col <= 4          # NPU1: column 0 is not usable (docs/xrt-sequence.md 1.3)
     assert device.resource_info().npu_task_max == 6
 
 
 def test_unsupported_query_says_so():
-    emu = EmuDevice("npu1", drm_minor=0)   # a 6.14-era driver: no QUERY_RESOURCE_INFO (spec 11)
+    emu = EmuDevice("npu1", drm_minor=0)   # a 6.14-era driver: no QUERY_RESOURCE_INFO (docs/uapi.md 11)
     with open_device(emu) as dev:
         with pytest.raises(errors.XdnaError) as info:
             dev.resource_info()
@@ -185,7 +185,7 @@ def test_heap_is_created_on_first_need_and_aligned():
     assert dev.heap == () and "reserve" not in seam.names()
     dev_bo = dev.bo(100, "dev")
     (chunk,) = dev.heap
-    assert chunk.xdna_addr == 0x4000000 and chunk.va % HEAP_CHUNK_SIZE == 0     # spec 1.2
+    assert chunk.xdna_addr == 0x4000000 and chunk.va % HEAP_CHUNK_SIZE == 0     # docs/xrt-sequence.md 1.2
     assert 0x4000000 <= dev_bo.address < 0x4000000 + HEAP_CHUNK_SIZE and dev_bo.address % (32 << 10) == 0
     assert dev_bo.cpu_address == chunk.va + (dev_bo.address - 0x4000000)
     assert shm.address == shm.cpu_address                                       # SVA: the mapping's VA
@@ -193,7 +193,7 @@ def test_heap_is_created_on_first_need_and_aligned():
 
 
 def test_dev_bo_eagain_grows_the_heap_by_a_contiguous_chunk():
-    # The expandable-heap driver answers EAGAIN for a DEV BO when the heap is short (spec 4.4); the
+    # The expandable-heap driver answers EAGAIN for a DEV BO when the heap is short (docs/uapi.md 4.4); the
     # emulator models the one-heap driver, so the EAGAIN is injected and the second heap is refused.
     dev, emu, seam = emu_open("npu1")
     dev.ensure_heap()
@@ -272,7 +272,7 @@ def test_qos_buffer_is_32_zeroed_bytes_with_priority(npu1_fixture, priority, val
     request = request_of(0x40)
     seam.inject[request] = lambda buf: seen.append(ctypes.string_at(struct.unpack_from("<Q", buf, 16)[0], 32))
     ctx = dev.hw_context(Xclbin.load(npu1_fixture / "aie.xclbin"), priority=priority)
-    # spec amdxdna-uapi.md 2.1 / 12: six u32 (priority at 20), then user_start_col 0xFF, reserved 0
+    # docs/uapi.md 2.1 / 12: six u32 (priority at 20), then user_start_col 0xFF, reserved 0
     assert struct.unpack("<8I", seen[0]) == (0, 0, 0, 0, 0, value, 0xFF, 0)
     assert ctx.priority == value
     with pytest.raises(ValueError, match="priority"):
@@ -294,7 +294,7 @@ def test_contexts_are_released_on_garbage_collection(npu1_fixture):
     dev.close()
 
 
-# Payload layouts of spec amdxdna-uapi.md 2.5, written out independently of abi.py's cdef.
+# Payload layouts of docs/uapi.md 2.5, written out independently of abi.py's cdef.
 _INFO_LAYOUTS = {
     1: struct.Struct("<IHHII" + "5H6x" * 3),     # QUERY_AIE_METADATA: col_size cols rows version, core mem shim
     2: struct.Struct("<II"),                     # QUERY_AIE_VERSION
@@ -317,21 +317,21 @@ def test_typed_info_equals_the_bytes_the_driver_wrote():
     md, ver, clocks = dev.aie_metadata(), dev.aie_version(), dev.clock_metadata()
     fw, power, res = dev.firmware_version(), dev.power_mode(), dev.resource_info()
     raw = {param: layout.unpack_from(answers[param]) for param, layout in _INFO_LAYOUTS.items()}
-    assert (len(answers[1]), len(answers[3]), len(answers[12])) == (64, 48, 40)       # struct sizes, spec 2.5
+    assert (len(answers[1]), len(answers[3]), len(answers[12])) == (64, 48, 40)       # struct sizes, docs/uapi.md 2.5
     assert (md.col_size, md.cols, md.rows, md.version.major, md.version.minor) == raw[1][:5]
     assert [tuple(vars(t).values()) for t in (md.core, md.mem, md.shim)] == [raw[1][5:10], raw[1][10:15], raw[1][15:]]
-    assert (md.cols, md.rows, md.core.row_count) == (8, 6, 4)                # NPU4 facts (spec 8)
+    assert (md.cols, md.rows, md.core.row_count) == (8, 6, 4)                # NPU4 facts (docs/uapi.md 8)
     assert (ver.major, ver.minor) == raw[2]
     assert (clocks.mp_npu_clock.name.encode(), clocks.mp_npu_clock.freq_mhz) == (raw[3][0].rstrip(b"\0"), raw[3][1])
     assert (clocks.h_clock.name.encode(), clocks.h_clock.freq_mhz) == (raw[3][2].rstrip(b"\0"), raw[3][3])
     assert (fw.major, fw.minor, fw.patch, fw.build) == raw[8] and str(fw) == ".".join(map(str, raw[8]))
     assert power.mode == raw[9][0] and power.name == ("DEFAULT", "LOW", "MEDIUM", "HIGH", "TURBO")[raw[9][0]]
-    assert tuple(vars(res).values()) == raw[12] and res.npu_task_max == 16   # hwctx_limit of NPU4 (spec 8)
+    assert tuple(vars(res).values()) == raw[12] and res.npu_task_max == 16   # hwctx_limit of NPU4 (docs/uapi.md 8)
     dev.close()
 
 
 def test_shmem_address_is_xdna_addr_when_the_driver_gives_one():
-    # IOVA mode (spec 1.4, amdxdna-uapi.md 7): GET_BO_INFO.xdna_addr != ~0 for a SHMEM BO is what the
+    # IOVA mode (docs/xrt-sequence.md 1.4, docs/uapi.md 7): GET_BO_INFO.xdna_addr != ~0 for a SHMEM BO is what the
     # device uses, not the mapping's VA; sub-buffers add their offset to it.
     dev, emu, seam = emu_open("npu1")
     iova = 0x1_2345_6000

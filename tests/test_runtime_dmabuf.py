@@ -3,8 +3,8 @@
 Oracles: the bytes each test writes on one side and reads on the other; the DRM rule that an fd importing
 a dma-buf it already holds gets its own handle back (docs/runtime.md 3.3), checked through the emulator's
 GEM_CLOSE count and live-object counters; the PRIME request layout {u32 handle, u32 flags, s32 fd} with
-DRM_RDWR 2 | DRM_CLOEXEC 0x80000 (spec amdxdna-uapi.md 5); SET_STATE's root-only rule and the
-SET_POWER_MODE answers of spec amdxdna-uapi.md 4.10 / 10.
+DRM_RDWR 2 | DRM_CLOEXEC 0x80000 (docs/uapi.md 5); SET_STATE's root-only rule and the
+SET_POWER_MODE answers of docs/uapi.md 4.10 / 10.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from amdxdna_direct.emu import EmuDevice, Passthrough
 from amdxdna_direct.xclbin import build_mlir_aie
 
 N = 4096
-PRIME_HANDLE_TO_FD, PRIME_FD_TO_HANDLE = 0xC00C642D, 0xC00C642E     # spec amdxdna-uapi.md 5
+PRIME_HANDLE_TO_FD, PRIME_FD_TO_HANDLE = 0xC00C642D, 0xC00C642E     # docs/uapi.md 5
 PRIME = struct.Struct("<IIi")
 
 

@@ -189,7 +189,7 @@ def test_infinite_and_huge_timeouts_wait_forever(npu1_fixture):
     assert run.start().wait(1e30) == cmd.ERT_CMD_STATE_COMPLETED
     assert run(np.float32(30)) == cmd.ERT_CMD_STATE_COMPLETED
     assert RunList(ctx, [run])(float("inf")) == [cmd.ERT_CMD_STATE_COMPLETED]
-    # WAIT_CMD (contexts without a syncobj): u32 milliseconds, 0 = forever (spec amdxdna-uapi.md 2.3)
+    # WAIT_CMD (contexts without a syncobj): u32 milliseconds, 0 = forever (docs/uapi.md 2.3)
     assert kernel._wait_cmd_ms(float("inf")) == 0 and kernel._wait_cmd_ms(None) == 0
     assert kernel._wait_cmd_ms(1e30) == 0xFFFFFFFF and kernel._wait_cmd_ms(0) == 1
     dev.close()

@@ -38,7 +38,8 @@ from amdxdna_direct import Device, Run, RunList, Xclbin, cmd, errors, insts, ope
 from amdxdna_direct import kernel as kernel_mod
 from amdxdna_direct.emu import EmuDevice, Gemm
 
-# Hand-decoded from insts.bin (spec 2.3 worked example): BD1 (0x1D020, patched with arg_idx 2, the output)
+# Hand-decoded from insts.bin (docs/xrt-sequence.md 2.3 worked example): BD1 (0x1D020, patched with arg_idx 2, the
+# output)
 # has length word 0x10 = 16 words; BD0 (0x1D000, arg_idx 0, the input) 0x11 = 17 words.
 OUT_BYTES = 16 * 4
 IN_BYTES = 17 * 4
@@ -77,7 +78,7 @@ def test_fixture_passthrough_returns_the_data(device, npu1_fixture):
 
 
 def test_exact_ioctl_sequence_of_one_passthrough_run(npu1_fixture):
-    """The XRT sequence of spec xrt-npu-sequence.md section 0, call for call, and its key field values."""
+    """The XRT sequence of docs/xrt-sequence.md section 0, call for call, and its key field values."""
     dev, emu, seam = emu_open("npu1")
     config_cu = []
     seam.inject[request_of(0x42)] = lambda buf: config_cu.append(
@@ -118,12 +119,13 @@ def test_exact_ioctl_sequence_of_one_passthrough_run(npu1_fixture):
     assert reserve[2] == 64 << 20 and heap_map[3] == reserve[3] and heap_map[3] % (64 << 20) == 0
     hwctx = CREATE_HWCTX.unpack_from(by_name["CREATE_HWCTX"][0])
     assert hwctx[0] == hwctx[1] == 0 and hwctx[2] != 0                       # ext, ext_flags, qos_p
-    # max_opc and column_width from the JSON the fixture xclbin was built from; core rows 4 (spec 8)
+    # max_opc and column_width from the JSON the fixture xclbin was built from; core rows 4 (docs/uapi.md 8)
     partition = json.loads((npu1_fixture / "main_aie_partition.json").read_text())["aie_partition"]
     assert (hwctx[5], hwctx[6]) == (int(partition["operations_per_cycle"]), 4 * partition["partition"]["column_width"])
-    # CONFIG_CU (spec 2.1): num_cus 1, pad 0; cu_bo = the PDI DEV BO (2nd CREATE_BO), cu_func 0, pad 0
+    # CONFIG_CU (docs/uapi.md 2.1): num_cus 1, pad 0; cu_bo = the PDI DEV BO (2nd CREATE_BO), cu_func 0, pad 0
     pdi_create = CREATE_BO.unpack_from(by_name["CREATE_BO"][1])
-    assert pdi_create[3] == 3 and pdi_create[2] == 2640                       # DEV, the 2640-byte PDI (spec 3.8)
+    # DEV, the 2640-byte PDI (docs/xrt-sequence.md 3.8)
+    assert pdi_create[3] == 3 and pdi_create[2] == 2640
     assert struct.unpack("<HHHHIB3s", config_cu[0]) == (1, 0, 0, 0, pdi.handle, 0, bytes(3))
     assert pdi_head == bytes.fromhex("DD000000 44332211 88776655 CCBBAA99".replace(" ", ""))
     exe = EXEC_CMD.unpack_from(by_name["EXEC_CMD"][0])
@@ -217,7 +219,7 @@ def test_firmware_error_is_reported_and_the_run_recovers(device, npu1_fixture):
     assert type(err) is errors.CommandError and err.state == "ERROR" and err.kernel == "MLIR_AIE"
     assert err.seq == 0 and err.errno == errno.EIO and "MLIR_AIE (hwctx=" in str(err) and "ERROR" in str(err)
     assert run.state == cmd.ERT_CMD_STATE_ERROR
-    run.start().wait(30)   # the 0xFF-filled packet is rebuilt (spec 6.6)
+    run.start().wait(30)   # the 0xFF-filled packet is rebuilt (docs/uapi.md 6.6)
     c.sync()
     assert c.array(np.uint32)[:OUT_BYTES // 4].tolist() == src[:OUT_BYTES // 4].tolist()
 
@@ -239,7 +241,8 @@ def test_hang_times_out_after_tdr_and_context_keeps_working(npu1_fixture):
         run.wait(timeout=10)
     assert tdr.value.state == "TIMEOUT" and time.monotonic() - t0 < 5
     assert isinstance(tdr.value, TimeoutError) and run.state == cmd.ERT_CMD_STATE_TIMEOUT
-    assert tdr.value.health is not None and tdr.value.health.version == 1    # spec 1.9 context health record
+    # docs/xrt-sequence.md 1.9 context health record
+    assert tdr.value.health is not None and tdr.value.health.version == 1
     run.start().wait(10)
     c.sync()
     assert c.array(np.uint32)[:OUT_BYTES // 4].tolist() == src[:OUT_BYTES // 4].tolist()
@@ -403,7 +406,7 @@ class _NoSyncobj:
         self.requests.append(request & 0xFF)
         result = self.inner.ioctl(request, buf)
         if request & 0xFF == 0x40:
-            struct.pack_into("<I", buf, 52, 0)      # syncobj_handle (spec amdxdna-uapi.md 2.1)
+            struct.pack_into("<I", buf, 52, 0)      # syncobj_handle (docs/uapi.md 2.1)
         return result
 
     def __getattr__(self, name):
@@ -414,7 +417,7 @@ class _NoSyncobj:
 def test_wait_cmd_is_used_when_the_context_has_no_syncobj(npu1_fixture):
     from amdxdna_direct import Device
 
-    emu = EmuDevice("npu1", wait_cmd=True)          # the out-of-tree driver's WAIT_CMD (spec 4.11)
+    emu = EmuDevice("npu1", wait_cmd=True)          # the out-of-tree driver's WAIT_CMD (docs/uapi.md 4.11)
     seam = _NoSyncobj(emu.open())
     dev = Device(seam, emulator=emu)
     ctx, kernel, stream = _passthrough(dev, npu1_fixture)
@@ -457,7 +460,7 @@ def test_instruction_streams_in_every_form_are_uploaded_once(device, npu1_fixtur
     ctx, kernel, stream = _passthrough(device, npu1_fixture)
     words = struct.unpack(f"<{len(stream) // 4}I", stream)
     text = tmp_path / "insts.txt"
-    text.write_text("".join(f"{w:08X}\n" for w in words))          # mlir-aie's text form (spec 2.3)
+    text.write_text("".join(f"{w:08X}\n" for w in words))          # mlir-aie's text form (docs/xrt-sequence.md 2.3)
     creates = device.stats["CREATE_BO"]
     forms = [stream, npu1_fixture / "insts.bin", str(text), insts.load(stream), list(words),
              np.frombuffer(stream, np.uint32)]
@@ -485,7 +488,8 @@ def test_bad_timeouts_are_rejected_before_waiting(device, npu1_fixture):
 
 
 def test_waits_are_bounded_by_10_seconds_unless_forever_is_asked(npu1_fixture):
-    # docs/runtime.md 3.4: the deadline is absolute CLOCK_MONOTONIC (spec 1.9): now + 10 s by default and for
+    # docs/runtime.md 3.4: the deadline is absolute CLOCK_MONOTONIC (docs/xrt-sequence.md 1.9): now + 10 s by default
+    # and for
     # None; FOREVER (math.inf) is INT64_MAX. Bounds: the clock read before and after the wait call.
     assert inspect.signature(Run.wait).parameters["timeout"].default == kernel_mod.DEFAULT_TIMEOUT == 10.0
     assert inspect.signature(RunList.wait).parameters["timeout"].default == 10.0
@@ -586,7 +590,7 @@ def _settled(probe, expected, seconds=5.0):
 def test_every_failing_step_leaves_no_live_handles(npu1_fixture, err):
     """Fail each syscall of a bring-up + run + run list in turn: the error surfaces typed and named, and
     once the caller drops its objects the fd holds no GEM handle but the heap's, no context, syncobj or
-    mapping but the heap's (the driver keeps a closed heap's pages until the fd closes, spec 7). A lost
+    mapping but the heap's (the driver keeps a closed heap's pages until the fd closes, docs/uapi.md 7). A lost
     device (ENODEV outside CREATE_HWCTX) latches. Closing the fd then leaves nothing at all."""
     dev, emu, seam, stream = _open_failing(npu1_fixture)
     seam.arm(1 << 30, errno.EIO)

@@ -50,7 +50,7 @@ def test_every_ioctl_of_a_passthrough_run_is_logged_decoded(traced, npu1_fixture
     names = [shape.fullmatch(line).group(1) for line in lines]
     issued = {k: v for k, v in dev.stats.items() if k.isupper()}
     assert {n: names.count(n) for n in set(names)} == issued          # one line per ioctl, none missing
-    # every ioctl XRT issues for one run (spec xrt-npu-sequence.md 0), plus the DRM version check
+    # every ioctl XRT issues for one run (docs/xrt-sequence.md 0), plus the DRM version check
     assert set(names) == {"VERSION", "CREATE_BO", "GET_BO_INFO", "GET_INFO", "CREATE_HWCTX", "CONFIG_HWCTX",
                           "SYNC_BO", "EXEC_CMD", "SYNCOBJ_TIMELINE_WAIT", "GEM_CLOSE", "SYNCOBJ_DESTROY",
                           "DESTROY_HWCTX"}
@@ -58,7 +58,7 @@ def test_every_ioctl_of_a_passthrough_run_is_logged_decoded(traced, npu1_fixture
     assert "param=1, buffer_size=64" in by_name["GET_INFO"][0]               # QUERY_AIE_METADATA, 64 bytes
     assert re.search(r"param_type=0, param_val=0x[0-9a-f]+, param_val_size=16", by_name["CONFIG_HWCTX"][0])
     assert "count_handles=1, flags=2" in by_name["SYNCOBJ_TIMELINE_WAIT"][0]   # WAIT_FOR_SUBMIT
-    assert all("direction=0" in line for line in by_name["SYNC_BO"])         # TO_DEVICE both ways (spec 4.6)
+    assert all("direction=0" in line for line in by_name["SYNC_BO"])         # TO_DEVICE both ways (docs/uapi.md 4.6)
     create = next(line for line in lines if " CREATE_HWCTX(" in line)
     assert "max_opc=2048" in create and "num_tiles=4" in create and "-> 0 {" in create
     assert re.search(r"handle=1, syncobj_handle=\d+", create) and create.endswith("us")

@@ -5,13 +5,12 @@ two decoder layers), its host pieces against values and formulas worked in the t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import types
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import SHARED, sam3_tiny_cases
 
 from sam3 import decoder
 from sam3.build import Geometry, build
@@ -208,25 +207,9 @@ def test_dec_kv_too_narrow(bundle):
 # the sam3-tiny fixture (transformers' float32 outputs), through the exporter's bundle
 
 
-@pytest.fixture(scope="module")
-def fixture_bundle(tmp_path_factory):
-    if not (TINY / "reference.npz").is_file():
-        pytest.skip(f"fixture {TINY} absent (../shared not checked out next to the repo)")
-    from sam3.export import export
-
-    b = Bundle.open(export(TINY / "hf", tmp_path_factory.mktemp("fix") / "b", vit="host"))
-    with np.load(TINY / "reference.npz") as z:
-        ref = {k: z[k] for k in z.files}
-    yield b, ref
-    b.close()
 
 
-def _cases() -> list[int]:
-    path = TINY / "cases.json"
-    return [c["index"] for c in json.loads(path.read_text())["cases"]] if path.is_file() else [0]
-
-
-@pytest.mark.parametrize("index", _cases())
+@pytest.mark.parametrize("index", sam3_tiny_cases())
 def test_fixture_decoder(fixture_bundle, index):
     """The stage on the emulator, fed the fixture's own encoder output and text features, against transformers:
     hidden cos > 0.999, and over the confident queries (sigmoid(logit) > 0.1) boxes < 0.01 and logits < 0.1;

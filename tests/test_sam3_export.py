@@ -244,7 +244,7 @@ def test_both_bundles_open_with_the_params_of_the_config(opened, config):
 
 
 def test_every_consistency_rule_holds(opened):
-    """The format's rules (docs/sam3-bundle.md; spec section 8), checked from the written manifest and tensors."""
+    """The format's rules (docs/sam3-bundle.md 12), checked from the written manifest and tensors."""
     vit, b = opened
     p, gm, mh, t = b.params, b.gemms, b.mhas, b.tensors
     T, D, d = p.grid ** 2, p.vit_dim, p.d_model  # noqa: N806

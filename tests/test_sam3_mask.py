@@ -5,12 +5,11 @@ when ../shared is present, both against the sam3-tiny fixture's transformers out
 
 from __future__ import annotations
 
-import json
 import types
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import SHARED, sam3_tiny_cases
 
 from sam3 import mask
 from sam3.build import build
@@ -204,25 +203,9 @@ def test_geometry_errors(bundle, params, message):
 # the sam3-tiny fixture (transformers' float32 outputs), through the exporter's bundle
 
 
-@pytest.fixture(scope="module")
-def fixture_bundle(tmp_path_factory):
-    if not (TINY / "reference.npz").is_file():
-        pytest.skip(f"fixture {TINY} absent (../shared not checked out next to the repo)")
-    from sam3.export import export
-
-    b = Bundle.open(export(TINY / "hf", tmp_path_factory.mktemp("fix") / "b", vit="host"))
-    with np.load(TINY / "reference.npz") as z:
-        ref = {k: z[k] for k in z.files}
-    yield b, ref
-    b.close()
 
 
-def _cases() -> list[int]:
-    path = TINY / "cases.json"
-    return [c["index"] for c in json.loads(path.read_text())["cases"]] if path.is_file() else [0]
-
-
-@pytest.mark.parametrize("index", _cases())
+@pytest.mark.parametrize("index", sam3_tiny_cases())
 def test_fixture_masks(fixture_bundle, index):
     """The stage on the emulator and the float32 reference, fed the fixture's own decoder hidden states, FPN levels
     (channels first there), encoder output and text features: masks cos > 0.995, semantic cos > 0.99."""

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
-import sys
 
 from .. import open_device
 from ..device import POWER_MODE_NAMES
 from ..errors import XdnaError
-from . import add_device_option, command_parser
+from . import add_device_option, command_parser, dump_json, fail
 
 __all__ = ["PMODES", "add_parser", "run"]
 
@@ -39,7 +37,7 @@ exit codes:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``configure`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "configure", "set the NPU power mode (root only)",
+        subparsers, "configure",
         "Set the NPU's power mode with SET_STATE(SET_POWER_MODE) and print the mode before and after "
         "(GET_POWER_MODE). The driver accepts SET_STATE only from a process with CAP_SYS_ADMIN.", EXIT_CODES)
     add_device_option(parser, "device to configure", "$AMDXDNA_DEVICE, else the first /dev/accel node driven by "
@@ -66,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         except XdnaError as exc:
             return _fail(args, dev.name, _refusal(exc, args.pmode, dev))
     if args.json:
-        print(json.dumps({"device": dev.name, "before": before, "after": after}, indent=2))
+        print(dump_json("configure", {"device": dev.name, "before": before, "after": after}, indent=2))
     else:
         print(f"{dev.name}: power mode {before} -> {after}")
     return 0
@@ -88,7 +86,4 @@ def _refusal(exc: XdnaError, pmode: str, dev) -> str:
 
 
 def _fail(args: argparse.Namespace, device: str | None, message: str) -> int:
-    if args.json:
-        print(json.dumps({"device": device, "error": message}, indent=2))
-    print(f"amdxdna configure: {message}", file=sys.stderr)
-    return 1
+    return fail("configure", message, args.json, device=device)

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 from .. import doctor
-from . import DEVICE_ENV, add_device_option, command_parser, device_spec
+from . import DEVICE_ENV, add_device_option, command_parser, device_spec, dump_json, fail
 
 __all__ = ["add_parser", "run", "format_results"]
 
@@ -42,7 +40,7 @@ _MARK = {doctor.PASS: "pass", doctor.INFO: "info", doctor.WARN: "WARN", doctor.F
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``doctor`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "doctor", "check the NPU setup and print the fix for each problem",
+        subparsers, "doctor",
         "Check everything between this process and a working NPU, printing pass / WARN / FAIL / skip per "
         "check with what was found and, when it is not a pass, the fix.", EXIT_CODES)
     # $AMDXDNA_DEVICE names a device of this machine: run() applies it only to the real root.
@@ -62,8 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="instruction stream of the --xclbin self-test design (default: none; required with "
                              "--xclbin)")
     parser.add_argument("--json", action="store_true",
-                        help="print the results as a JSON list of {name, status, detail, fix, findings} "
-                             "(default: text)")
+                        help="print the results as JSON: {schema, command, checks: [{name, status, detail, fix, "
+                             "findings}]} (default: text)")
     return parser
 
 
@@ -71,18 +69,16 @@ def run(args: argparse.Namespace) -> int:
     """Run the checks; return 1 if any failed, else 0 (2 for a usage error: --xclbin without --insts or the
     reverse, an unknown --user, a bad $AMDXDNA_DEVICE)."""
     if (args.xclbin is None) != (args.insts is None):
-        print("amdxdna doctor: --xclbin and --insts go together (the self-test design and its instruction stream)",
-              file=sys.stderr)
-        return 2
+        return fail("doctor", "--xclbin and --insts go together (the self-test design and its instruction stream)",
+                    args.json, code=2)
     try:
         host = doctor.Host.probe(args.root, user=args.user)
         device = args.device if args.device is not None else _env_device(args.root)
     except (LookupError, argparse.ArgumentTypeError) as exc:
-        print(f"amdxdna doctor: {exc}", file=sys.stderr)
-        return 2
+        return fail("doctor", str(exc), args.json, code=2)
     results = doctor.run_checks(device, host=host, xclbin=args.xclbin, insts=args.insts)
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=2))
+        print(dump_json("doctor", {"checks": [r.to_dict() for r in results]}, indent=2))
     else:
         print(format_results(results))
     return 1 if doctor.worst(results) == doctor.FAIL else 0

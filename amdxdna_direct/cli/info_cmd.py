@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 from .. import abi, doctor, open_device
 from ..device import Device, HwContextEntry, pci_generation
 from ..errors import XdnaError
-from . import add_device_option, command_parser
+from . import add_device_option, command_parser, dump_json, fail, shown
 
 __all__ = ["collect", "context_dict", "query", "error_text", "clock_mhz", "format_info", "format_contexts",
            "sysfs_pci", "add_parser", "run", "PRIORITY_NAMES", "HEALTH_FIELDS"]
@@ -47,7 +46,7 @@ exit codes:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``info`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "info", "show the device, driver, firmware, AIE array, clocks and live contexts",
+        subparsers, "info",
         "Show the device node, PCI id and generation, driver name and DRM version (feature level), "
         "firmware version, AIE version and geometry, clocks, power mode, resource info and the driver's "
         "full entry for every hardware context of every process (GET_ARRAY: id, columns, pid and process "
@@ -64,17 +63,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         dev = open_device(args.device)
     except XdnaError as exc:
-        if args.json:
-            print(json.dumps({"device": _spec_text(args.device), "error": str(exc),
-                              "hint": "`amdxdna doctor` says why"}, indent=2))
-        print(f"amdxdna info: {exc}", file=sys.stderr)
-        return 1
+        return fail("info", str(exc), args.json, device=_spec_text(args.device), hint="`amdxdna doctor` says why")
     with dev:
         info = collect(dev)
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    print(dump_json("info", info, indent=2) if args.json else format_info(info))
     failed = [key for key, value in info.items() if error_text(value) not in (None, NOT_SUPPORTED)]
     if failed:
-        print(f"amdxdna info: {dev.name}: query failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"amdxdna info: {shown(dev.name)}: query failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -141,7 +136,8 @@ def _pci(dev: Device) -> dict[str, Any]:
 
 
 def sysfs_pci(root: Path, accel_name: str) -> dict[str, Any]:
-    """The PCI identity of ``accelN`` from ``root/sys/class/accel/accelN/device`` (spec 8); missing items are None."""
+    """The PCI identity of ``accelN`` from ``root/sys/class/accel/accelN/device`` (docs/uapi.md 8); missing items are
+    None."""
     attributes = doctor.sysfs_attributes(root, accel_name)
     vendor, device_id, revision = (doctor.hex_attribute(attributes, k) for k in ("vendor", "device", "revision"))
     return {"source": f"/sys/class/accel/{accel_name}/device", "slot": attributes.get("pci_slot"),
@@ -231,7 +227,7 @@ def format_contexts(contexts: list[dict[str, Any]], rates: dict[int, dict[str, f
         if rates is not None:
             r = rates.get(c["context_id"], {})
             rate = f" {_rate(r.get('command_submissions')):>8} {_rate(r.get('command_completions')):>8}"
-        lines.append(f"  {c['context_id']:>4} {cols:>9} {c['pid']:>8} {c.get('name') or '-':<16} "
+        lines.append(f"  {c['context_id']:>4} {cols:>9} {c['pid']:>8} {shown(c['name']) if c.get('name') else '-':<16} "
                      f"{c.get('state_name') or '-':<7} {c.get('priority_name') or '-':<8} "
                      f"{c['command_submissions']:>10} {c['command_completions']:>10} {c['errors']:>7}{rate}")
         lines += _context_details(c)

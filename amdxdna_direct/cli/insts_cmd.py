@@ -33,7 +33,7 @@ _WORDS_PER_LINE = 8
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``insts`` on an ``argparse`` subparsers object."""
     return add_file_parser(
-        subparsers, "insts", "TXN stream", help="disassemble an instruction stream (insts.bin or insts.txt)",
+        subparsers, "insts", "TXN stream",
         description="Decode an mlir-aie instruction stream (aie-rt TXN format, binary or one hex word per "
                     "line) and list its header and ops with the word offset of each op. Ops the runtime does not "
                     "decode (MASKPOLL, custom ops, ...) are listed as their raw words with their size.")
@@ -88,7 +88,7 @@ def _reason(op: RawOp) -> str:
 
 
 def _tile(addr: int) -> str:
-    # Tile address = col << 25 | row << 20 | offset (spec 2.3).
+    # Tile address = col << 25 | row << 20 | offset (docs/xrt-sequence.md 2.3).
     return f"(col {addr >> 25} row {(addr >> 20) & 0x1F} +{addr & 0xFFFFF:#x})"
 
 

@@ -1,17 +1,17 @@
 """``amdxdna run``: run one kernel of an xclbin with an instruction stream, numpy files in and out.
 
-Buffers follow the mlir-aie call convention (xrt-npu-sequence.md 2.2): ``opcode 3, instr, ninstr,
+Buffers follow the mlir-aie call convention (docs/xrt-sequence.md 2.2): ``opcode 3, instr, ninstr,
 bo0, bo1, ...``. The instruction stream says which buffer slots it uses (the ``arg_idx`` of its
-DDR_PATCH ops, spec 2.3), so ``--in`` and ``--out`` files are placed, in that order, on the slots the
+DDR_PATCH ops, docs/xrt-sequence.md 2.3), so ``--in`` and ``--out`` files are placed, in that order, on the slots the
 stream patches; ``SLOT=FILE`` places one explicitly. Slots the stream does not patch get no buffer.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
+import os
 import statistics
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,15 +22,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .. import abi, insts, open_device
+from .. import abi, files, insts, open_device
 from ..bo import Bo
 from ..device import Device
 from ..doctor import bind_model, is_emulated
 from ..emu.models import Gemm, Passthrough
-from ..errors import XdnaError, errno_text
-from ..kernel import Run
+from ..errors import Error, XdnaError, errno_text
+from ..kernel import Run, stream_extents
 from ..xclbin import Xclbin
-from . import add_device_option, command_parser
+from . import add_device_option, command_parser, dump_json, fail, shown
 
 __all__ = ["BufferSpec", "parse_buffer", "parse_model", "assign_slots", "add_parser", "run"]
 
@@ -70,7 +70,7 @@ def parse_buffer(text: str, direction: str) -> BufferSpec:
     slot_text, sep, path = text.partition("=")
     if not sep or not (slot_text.isascii() and slot_text.isdigit()):  # isdigit alone takes "²"
         if sep and slot_text.strip().lstrip("-").isdigit():
-            raise UsageError(f"--{direction} {text!r}: slot must be a non-negative integer")
+            raise UsageError(f"--{direction} {shown(text)}: slot must be a non-negative integer")
         return BufferSpec(Path(text), None, direction)
     return BufferSpec(Path(path), int(slot_text), direction)
 
@@ -110,10 +110,11 @@ def assign_slots(specs: list[BufferSpec], patched: list[int]) -> dict[int, Buffe
     placed: dict[int, BufferSpec] = {}
     for spec in (s for s in specs if s.slot is not None):
         if spec.slot in placed:
-            raise UsageError(f"two buffers on slot {spec.slot}: {placed[spec.slot].path} and {spec.path}")
+            raise UsageError(f"two buffers on slot {spec.slot}: {shown(placed[spec.slot].path)} and "
+                             f"{shown(spec.path)}")
         if patched and spec.slot not in patched:
-            raise UsageError(f"--{spec.direction} {spec.slot}={spec.path}: the instruction stream patches slots "
-                             f"{patched} only")
+            raise UsageError(f"--{spec.direction} {spec.slot}={shown(spec.path)}: the instruction stream patches "
+                             f"slots {patched} only")
         placed[spec.slot] = spec
     free = [s for s in (patched or range(len(specs))) if s not in placed]
     implicit = [s for s in specs if s.slot is None]
@@ -130,7 +131,7 @@ def assign_slots(specs: list[BufferSpec], patched: list[int]) -> dict[int, Buffe
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``run`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "run", "run one kernel with numpy inputs and outputs, timing each run",
+        subparsers, "run",
         "Run one kernel of XCLBIN with the instruction stream INSTS (mlir-aie convention: opcode 3, "
         "instruction buffer, word count, then buffers bo0, bo1, ...). --in/--out files are placed, in "
         "that order, on the buffer slots the stream patches (its DDR_PATCH arg_idx); write SLOT=FILE to "
@@ -169,14 +170,11 @@ def run(args: argparse.Namespace) -> int:
         job = _Job.from_args(args)
         report = job.execute(args.device, args.repeat, args.timeout)
     except UsageError as exc:
-        print(f"amdxdna run: {exc}", file=sys.stderr)
-        return 2
+        return fail("run", str(exc), args.json, code=2)
     except (FileError, XdnaError) as exc:
-        print(f"amdxdna run: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # the runtime refused the xclbin, e.g. no AIE_PARTITION or no runnable DPU kernel
-        print(f"amdxdna run: --xclbin {args.xclbin}: {exc}", file=sys.stderr)
-        return 1
+        return fail("run", str(exc), args.json)
+    except (ValueError, Error) as exc:  # the runtime refused the xclbin, e.g. no AIE_PARTITION or no runnable kernel
+        return fail("run", f"--xclbin {shown(args.xclbin)}: {exc}", args.json)
     _print_report(report, args.json)
     return 0
 
@@ -235,7 +233,8 @@ class _Job:
             if self.model is not None:
                 bind_model(dev.emulator, self.stream, self.model)
             with dev.hw_context(self.xclbin, kernel=self.kernel) as ctx:
-                buffers = {slot: self._buffer(dev, slot) for slot in self.slots}
+                extents = {slot: extent.nbytes for slot, extent in stream_extents(self.stream).items()}
+                buffers = {slot: self._buffer(dev, slot, extents.get(slot, 0)) for slot in self.slots}
                 kernel = ctx.kernel(self.kernel)
                 slots = range(max(buffers, default=-1) + 1)
                 prepared = kernel.prepare_npu(self.stream, [buffers.get(s) for s in slots])
@@ -243,21 +242,24 @@ class _Job:
                 written = self._write_outputs(buffers)
         return {"device": dev.name, "runs": repeat, "seconds": _spread(times),
                 "ioctls_per_run": ioctls, "slots": {s: str(spec.path) for s, spec in self.slots.items()},
-                "outputs": written}
+                "buffer_bytes": {s: bo.size for s, bo in buffers.items()}, "outputs": written}
 
-    def _buffer(self, dev: Device, slot: int) -> Bo:
-        """A data buffer for ``slot``: the input's bytes, or zeros of the output size; flushed for the device."""
+    def _buffer(self, dev: Device, slot: int, reach: int) -> Bo:
+        """A data buffer for ``slot``: the input's bytes, or zeros of the output size, in a buffer at least as
+        long as the stream's DMA reaches through it (``reach``; the rest zeros); flushed for the device."""
         if slot in self.inputs:
             data = np.ascontiguousarray(self.inputs[slot]).reshape(-1).view(np.uint8)
         else:
             data = np.zeros(self.out_sizes[slot], np.uint8)
-        bo = dev.bo(data.nbytes, kind="shmem")
+        bo = dev.bo(max(data.nbytes, reach), kind="shmem")
         bo.write(data)
+        if reach > data.nbytes:
+            bo.write(np.zeros(reach - data.nbytes, np.uint8), offset=data.nbytes)
         bo.sync()
         return bo
 
     def _write_outputs(self, buffers: dict[int, Bo]) -> list[dict]:
-        """Save each output buffer as .npy.
+        """Save each output buffer as .npy, to exactly the path given (``np.save`` of a name would add ``.npy``).
 
         Raises:
             FileError: an output file cannot be written.
@@ -269,9 +271,10 @@ class _Job:
             array = _shape_output(np.frombuffer(bo.read(size), np.uint8), self.out_dtype, self.like)
             path = self.slots[slot].path
             try:
-                np.save(path, array)
+                with open(path, "wb") as f:
+                    np.save(f, array)
             except OSError as exc:
-                raise FileError(f"--out {path}: {errno_text(exc.errno)}") from None
+                raise FileError(f"--out {shown(path)}: {errno_text(exc.errno) if exc.errno else exc}") from None
             written.append({"slot": slot, "path": str(path), "bytes": size, "dtype": str(array.dtype),
                             "shape": list(array.shape)})
         return written
@@ -285,27 +288,54 @@ def _read_input(option: str, path: str | Path, loader: Callable[[Any], Any]) -> 
     """
     try:
         return loader(path)
+    except files.FileRefused as exc:  # its message starts with the path, shown
+        raise FileError(f"{option} {exc}") from None
     except OSError as exc:
-        raise FileError(f"{option} {path}: {errno_text(exc.errno)}") from None
-    except (ValueError, EOFError) as exc:  # XclbinError, InstsError, np.load of a non-.npy or truncated file
-        raise FileError(f"{option} {path}: {exc}") from None
+        raise FileError(f"{option} {shown(path)}: {errno_text(exc.errno) if exc.errno else exc}") from None
+    except (ValueError, EOFError, Error) as exc:  # XclbinError, InstsError, a malformed .npy
+        raise FileError(f"{option} {shown(path)}: {exc}") from None
 
 
 NPY_MAGIC = b"\x93NUMPY"  # numpy.lib.format: every .npy file starts with it
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def _load_array(path: Path) -> np.ndarray:
-    """A .npy array (no pickled objects).
+    """A .npy array (no pickled objects), read through ``amdxdna_direct.files`` (a regular file within the
+    ``npy`` size limit, docs/files.md). The header's shape and dtype must account for exactly the bytes after
+    it, checked before the data is read, so a header claiming terabytes allocates nothing.
 
     Raises:
-        OSError: the file cannot be read.
-        ValueError, EOFError: not a .npy file, or a truncated or object one.
+        OSError: the file cannot be opened or read.
+        files.FileRefused: not a regular file, or over the size limit.
+        ValueError: not a .npy file, an unknown version, a malformed header, an object dtype, or a data size
+            that is not the header's.
     """
-    with open(path, "rb") as f:
-        if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
-            raise ValueError(f"not a .npy file (it does not start with {NPY_MAGIC!r})")
-        f.seek(0)
-        return np.load(f, allow_pickle=False)
+    fd = files.open_fd(path, "npy")
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+                raise ValueError(f"not a .npy file (it does not start with {NPY_MAGIC!r})")
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            if version not in _NPY_HEADERS:
+                raise ValueError(f".npy format version {version[0]}.{version[1]} is not read here (1.0, 2.0)")
+            shape, fortran, dtype = _NPY_HEADERS[version](f)
+            offset = f.tell()
+        if dtype.hasobject:
+            raise ValueError(f"dtype {dtype} holds Python objects (pickles are not loaded)")
+        claimed = math.prod(shape) * dtype.itemsize   # Python integers: no overflow for any header
+        size = os.fstat(fd).st_size - offset
+        if claimed != size:
+            raise ValueError(f"the header says shape {tuple(shape)} of {dtype}, {claimed} bytes, but the file holds "
+                             f"{size} bytes after its {offset}-byte header")
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = files.read_fd(fd, path, "npy")
+    finally:
+        os.close(fd)
+    if len(data) != claimed:
+        raise ValueError(f"changed while read: {len(data)} bytes after the header, not {claimed}")
+    return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
 
 
 def _model_for(text: str, device: str | None) -> Passthrough | Gemm:
@@ -391,7 +421,7 @@ def _spread(times: list[float]) -> dict[str, float]:
 
 def _print_report(report: dict, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(report, indent=2))
+        print(dump_json("run", report, indent=2))
         return
     spread = report["seconds"]
     print(f"device {report['device']}: {report['runs']} run(s)")
@@ -401,6 +431,7 @@ def _print_report(report: dict, as_json: bool) -> None:
     detail = ", ".join(f"{name} {count:g}" for name, count in per_run.items())
     print(f"ioctls per run: {sum(per_run.values()):g} ({detail})")
     for slot, path in report["slots"].items():
-        print(f"  bo{slot}: {path}")
+        print(f"  bo{slot}: {shown(path)} ({report['buffer_bytes'][slot]}-byte buffer)")
     for out in report["outputs"]:
-        print(f"wrote {out['path']}: slot {out['slot']}, {out['bytes']} bytes, {out['dtype']} {tuple(out['shape'])}")
+        print(f"wrote {shown(out['path'])}: slot {out['slot']}, {out['bytes']} bytes, {out['dtype']} "
+              f"{tuple(out['shape'])}")

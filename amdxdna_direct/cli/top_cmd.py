@@ -11,7 +11,6 @@ to FILE as one JSON line (docs/cli.md "amdxdna top").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any, TextIO
 from .. import open_device
 from ..device import Device
 from ..errors import XdnaError
-from . import add_device_option, command_parser
+from . import add_device_option, command_parser, dump_json, fail, shown
 from .info_cmd import clock_mhz, context_dict, error_text, format_contexts, query
 
 __all__ = ["COUNTERS", "add_parser", "run", "snapshot", "rates", "format_snapshot", "snapshots"]
@@ -64,7 +63,7 @@ def _count(text: str) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``top`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "top", "show the device's hardware contexts live, with submission and completion rates",
+        subparsers, "top",
         "Refresh the driver's entry for every hardware context of every process (pid and process name, "
         "columns, state, priority, QoS, submissions, completions, errors, health record) every --interval "
         "seconds, with per-second rates from the counters' deltas. On a terminal it draws a table (q quits); "
@@ -164,19 +163,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         dev = open_device(args.device)
     except XdnaError as exc:
-        if args.json:
-            print(json.dumps({"device": args.device if isinstance(args.device, str) else None, "error": str(exc),
-                              "hint": "`amdxdna doctor` says why"}, indent=2))
-        print(f"amdxdna top: {exc}", file=sys.stderr)
-        return 1
+        return fail("top", str(exc), args.json, device=args.device if isinstance(args.device, str) else None,
+                    hint="`amdxdna doctor` says why")
     with dev:
         if args.json:
-            print(json.dumps(_with_rates(None, snapshot(dev)), indent=2))
+            print(dump_json("top", _with_rates(None, snapshot(dev)), indent=2))
             return 0
         try:
             record = open(args.record, "a", encoding="utf-8") if args.record else None  # noqa: SIM115
         except OSError as exc:
-            print(f"amdxdna top: --record {args.record}: {exc.strerror} ({exc.__class__.__name__})", file=sys.stderr)
+            print(f"amdxdna top: --record {shown(args.record)}: {exc.strerror} ({exc.__class__.__name__})",
+                  file=sys.stderr)
             return 1
         try:
             return _live(dev, args, record)
@@ -195,18 +192,26 @@ def _live(dev: Device, args: argparse.Namespace, record: TextIO | None) -> int:
         for snap in snapshots(dev, args.interval, args.count):
             _record(record, snap)
             print("\n".join(format_snapshot(snap)), end="\n\n", flush=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the documented way to stop the live table: exit 0
         pass
-    except OSError as exc:
-        print(f"amdxdna top: --record {args.record}: {exc.strerror}", file=sys.stderr)
+    except _RecordError as exc:
+        print(f"amdxdna top: --record {shown(args.record)}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
+class _RecordError(Exception):
+    """The --record file could not be written (its OSError's text), told apart from a failing stdout."""
+
+
 def _record(record: TextIO | None, snap: dict[str, Any]) -> None:
-    if record is not None:
-        record.write(json.dumps(snap) + "\n")
+    if record is None:
+        return
+    try:
+        record.write(dump_json("top", snap) + "\n")
         record.flush()
+    except OSError as exc:
+        raise _RecordError(exc.strerror or str(exc)) from exc
 
 
 def _curses_loop(screen: Any, dev: Device, args: argparse.Namespace, record: TextIO | None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import signal
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import errno_text, format_fields
-from . import DEVICE_ENV, add_device_option, command_parser
+from . import DEVICE_ENV, StdoutError, add_device_option, command_parser, dump_json, fail, shown
 
 __all__ = ["TraceRecord", "parse_line", "parse_fields", "summarise", "format_summary", "add_parser", "run"]
 
@@ -121,7 +120,7 @@ def format_summary(table: dict[str, dict[str, float]]) -> str:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "trace", "run a program with every ioctl traced, then summarise",
+        subparsers, "trace",
         "Run COMMAND with AMDXDNA_TRACE=1 and show every ioctl its processes make through amdxdna_direct "
         "(name, input fields, result or errno, changed output fields, duration), then a summary per ioctl "
         "(count, errors, total and mean time). The program's own stdout is untouched; its stderr passes "
@@ -152,24 +151,68 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         env[DEVICE_ENV] = args.device
     try:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
     except OSError as exc:
-        print(f"amdxdna trace: -o {args.output}: cannot write: {errno_text(exc.errno)}", file=sys.stderr)
-        return 1
+        return fail("trace", f"-o {shown(args.output)}: cannot write: {_errno(exc)}", args.json)
+    # With --json on stdout, the program's own stdout goes to stderr: stdout holds the document alone.
+    child_out = _fileno(sys.stderr, 2) if args.json and out is sys.stdout else None
+    sink = _Sink(None if args.json or args.no_log else out)
+    status = 0
     try:
         try:
-            child = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+            child = subprocess.Popen(command, env=env, stdout=child_out, stderr=subprocess.PIPE)
         except OSError as exc:
-            print(f"amdxdna trace: cannot start {command[0]!r}: {errno_text(exc.errno)}", file=sys.stderr)
-            return 1
+            return fail("trace", f"cannot start {shown(command[0])}: {_errno(exc)}", args.json)
         with _sigint_to_child():
-            records = _collect(child.stderr, None if args.json or args.no_log else out)
+            records = _collect(child.stderr, sink)
             status = child.wait()
-        _report(out, command, status, records, args.json)
+        if sink.error is None:
+            _report(out, command, status, records, args.json)
+            if out is not sys.stdout:
+                out.flush()
+    except (OSError, StdoutError) as exc:
+        sink.error = exc
     finally:
         if out is not sys.stdout:
-            out.close()
-    return 128 - status if status < 0 else status
+            with contextlib.suppress(OSError):  # a failed write left the buffer full: this fails again
+                out.close()
+    code = 128 - status if status < 0 else status
+    if isinstance(sink.error, StdoutError):
+        raise sink.error  # stdout's own failure: the command line ends quietly (closed) or says so
+    if sink.error is not None:
+        where = f"-o {shown(args.output)}" if out is not sys.stdout else "standard output"
+        print(f"amdxdna trace: {where}: cannot write: {_errno(sink.error)}", file=sys.stderr)
+        return 1
+    return code
+
+
+def _fileno(stream: IO[str], default: int) -> int:
+    """The descriptor of ``stream``, or ``default`` for a stream without one (a test's capture)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return default
+
+
+def _errno(exc: OSError | StdoutError) -> str:
+    return errno_text(exc.errno) if exc.errno else str(exc)
+
+
+class _Sink:
+    """Where each record is echoed as it happens; the first write error stops the echo (the program's stderr
+    is still drained, so it never blocks) and is kept in ``error`` for the exit status."""
+
+    def __init__(self, stream: IO[str] | None) -> None:
+        self.stream = stream
+        self.error: OSError | StdoutError | None = None
+
+    def write(self, line: str) -> None:
+        if self.stream is None or self.error is not None:
+            return
+        try:
+            print(line, file=self.stream, flush=True)
+        except (OSError, StdoutError) as exc:
+            self.error = exc
 
 
 @contextlib.contextmanager
@@ -193,7 +236,7 @@ def _python_path() -> str:
     return os.pathsep.join([package_parent, *rest])
 
 
-def _collect(stderr: IO[bytes], live: IO[str] | None) -> list[TraceRecord]:
+def _collect(stderr: IO[bytes], live: _Sink) -> list[TraceRecord]:
     """Split the program's stderr into trace records (echoed to ``live``) and pass-through lines."""
     records: list[TraceRecord] = []
     in_summary = False
@@ -206,8 +249,7 @@ def _collect(stderr: IO[bytes], live: IO[str] | None) -> list[TraceRecord]:
             record = parse_line(message)
             if record is not None:
                 records.append(record)
-                if live is not None:
-                    print(record.format(), file=live, flush=True)
+                live.write(record.format())
                 continue
             if in_summary:
                 continue
@@ -230,12 +272,11 @@ def _pass_through(raw: bytes, binary: IO[bytes] | None) -> None:
 def _report(out: IO[str], command: list[str], status: int, records: list[TraceRecord], as_json: bool) -> None:
     table = summarise(records)
     if as_json:
-        document = {"command": command, "exit_status": status, "records": [r.to_dict() for r in records],
+        document = {"program": command, "exit_status": status, "records": [r.to_dict() for r in records],
                     "summary": table}
-        json.dump(document, out, indent=2)
-        out.write("\n")
+        out.write(dump_json("trace", document, indent=2) + "\n")
         return
     ending = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
-    print(f"-- {len(records)} ioctls traced; {command[0]} {ending}", file=out)
+    print(f"-- {len(records)} ioctls traced; {shown(command[0])} {ending}", file=out)
     if records:
         print(format_summary(table), file=out)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -31,9 +30,10 @@ from .. import insts, open_device
 from ..device import Device
 from ..doctor import bind_model, is_emulated, stream_extents
 from ..emu.models import Passthrough
-from ..errors import XdnaError, errno_text
+from ..errors import Error, XdnaError, errno_text
+from ..files import FileRefused
 from ..xclbin import Xclbin
-from . import add_device_option, command_parser
+from . import add_device_option, command_parser, dump_json, fail, shown
 from .run_cmd import UsageError, parse_model
 
 __all__ = ["Design", "DEFAULT_XRT", "find_bundle_designs", "find_xrt_designs", "read_ar", "validate_design",
@@ -78,7 +78,7 @@ def _positive(text: str) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``validate`` on an ``argparse`` subparsers object."""
     parser = command_parser(
-        subparsers, "validate", "run designs on the device: latency, throughput and an output check",
+        subparsers, "validate",
         "Run each design (an xclbin and instruction stream, a SAM3 bundle's kernels, XRT's validate "
         "designs) as xrt-smi validate does: a latency test of single runs (min, median, p99 of the host's "
         "dispatch time, the time from submission to completion, and end to end) and a throughput test of "
@@ -131,25 +131,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         designs, notes = _designs(args)
     except UsageError as exc:
-        print(f"amdxdna validate: {exc}", file=sys.stderr)
-        return 2
+        return fail("validate", str(exc), args.json, code=2)
     runnable = [d for d in designs if not d.skip]
     if not runnable:
-        print("amdxdna validate: no design to run. It needs one of: --xclbin X --insts I (an xclbin and its TXN "
-              "instruction stream), --bundle DIR (a SAM3 bundle), or XRT's validate designs with a TXN stream "
-              f"under --xrt DIR/{XRT_BINS}" + "".join(f"\n  {note}" for note in notes)
-              + "".join(f"\n  {d.name}: {d.skip}" for d in designs), file=sys.stderr)
-        return 2
+        found = "; ".join([*notes, *(f"{d.name}: {d.skip}" for d in designs)])
+        return fail("validate", "no design to run. It needs one of: --xclbin X --insts I (an xclbin and its TXN "
+                    "instruction stream), --bundle DIR (a SAM3 bundle), or XRT's validate designs with a TXN stream "
+                    f"under --xrt DIR/{XRT_BINS}" + (f" ({found})" if found else ""), args.json, code=2,
+                    notes=notes, designs=[_skipped(d) for d in designs])
     try:
         dev = open_device(args.device)
     except XdnaError as exc:
-        print(f"amdxdna validate: {exc}", file=sys.stderr)
-        return 1
+        return fail("validate", str(exc), args.json, device=args.device if isinstance(args.device, str) else None)
     with dev:
         reports = [_skipped(d) if d.skip else validate_design(dev, d, args.runs, args.chain, args.repeat)
                    for d in designs]
         document = {"device": dev.name, "generation": dev.generation, "notes": notes, "designs": reports}
-    print(json.dumps(document, indent=2) if args.json else _format(document))
+    print(dump_json("validate", document, indent=2) if args.json else _format(document))
     if any(r["status"] == "fail" for r in reports):
         return 1
     if all(r["status"] == "skipped" for r in reports):
@@ -165,8 +163,9 @@ def _designs(args: argparse.Namespace) -> tuple[list[Design], list[str]]:
     model = _model(args)
     designs, notes = [], []
     if args.xclbin is not None:
-        designs.append(Design(f"{Path(args.xclbin).name} + {Path(args.insts).name}", args.xclbin, args.insts,
-                              args.kernel, args.passthrough or isinstance(model, Passthrough), model))
+        name = f"{shown(Path(args.xclbin).name)} + {shown(Path(args.insts).name)}"
+        designs.append(Design(name, args.xclbin, args.insts, args.kernel,
+                              args.passthrough or isinstance(model, Passthrough), model))
     elif args.passthrough or args.kernel:
         raise UsageError("--passthrough and --kernel describe the --xclbin design: give --xclbin and --insts")
     if args.bundle is not None:
@@ -323,9 +322,11 @@ def _load(what: str, loader: Any, source: Any) -> Any:
     try:
         return loader(source)
     except OSError as exc:
-        raise ValueError(f"{what} {source}: {errno_text(exc.errno) if exc.errno else exc}") from exc
-    except ValueError as exc:
-        raise ValueError(f"{what} {source}: {exc}") from exc
+        raise ValueError(f"{what} {shown(source)}: {errno_text(exc.errno) if exc.errno else exc}") from exc
+    except FileRefused as exc:  # its message starts with the path, shown
+        raise ValueError(f"{what} {exc}") from exc
+    except (ValueError, Error) as exc:
+        raise ValueError(f"{what} {shown(source)}: {exc}") from exc
 
 
 def _pattern(size: int) -> np.ndarray:

@@ -14,7 +14,7 @@ __all__ = ["add_parser", "describe", "render", "run"]
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``xclbin`` on an ``argparse`` subparsers object."""
     return add_file_parser(
-        subparsers, "xclbin", "xclbin", help="summarise an xclbin (header, sections, kernels, AIE partition)",
+        subparsers, "xclbin", "xclbin",
         description="Print what an xclbin holds: header (uuid, version, platform), the section table, "
                     "memory topology, IP layout, kernels with their arguments (regmap offset and size) "
                     "and the AIE partition (columns, PDIs and their CDO groups).")

@@ -1,4 +1,5 @@
-"""Buffer-object ioctls: CREATE_BO of each type, GET_BO_INFO, SYNC_BO, GEM_CLOSE and PRIME (spec 4.4-4.6, 5, 7)."""
+"""Buffer-object ioctls: CREATE_BO of each type, GET_BO_INFO, SYNC_BO, GEM_CLOSE and PRIME
+(docs/uapi.md 4.4-4.6, 5, 7)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from .memory import (
 )
 from .objects import Client, fail
 
-DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (spec 4.4, 7)
+DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (docs/uapi.md 4.4, 7)
 MAX_LFS_FILESIZE = (1 << 63) - 1    # shmem_file_setup refuses a larger (negative loff_t) size with EINVAL
-DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (spec 4.4 staging)
+DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (docs/uapi.md 4.4 staging)
 SYNC_DIRECT_FROM_DEVICE = 1
 DRM_CLOEXEC, DRM_RDWR = os.O_CLOEXEC, os.O_RDWR
 
@@ -108,7 +109,7 @@ class BoIoctls:
         self.live_bos += 1
         return bo
 
-    # --- BO ioctls (spec 4.4-4.6, 7) ---
+    # --- BO ioctls (docs/uapi.md 4.4-4.6, 7) ---
 
     def _ioctl_create_bo(self, client: Client, a: dict) -> None:
         kind, size = a["type"], a["size"]
@@ -165,13 +166,13 @@ class BoIoctls:
             raise fail(errno.EBUSY, op, "this fd already has a DEV_HEAP")
         bo = self._backed_bo(AMDXDNA_BO_DEV_HEAP, page_align(size), op)
         bo.xdna_addr = AIE2_DEVM_BASE
-        bo.refs += 1            # client->dev_heap: the fd keeps its heap until close (spec 7, lifetime)
+        bo.refs += 1            # client->dev_heap: the fd keeps its heap until close (docs/uapi.md 7, lifetime)
         client.memory.heaps.append(bo)
         client.memory.allocator = HeapAllocator(bo.size)
         return bo
 
     def _add_heap_chunk(self, client: Client, size: int, op: str) -> Bo:
-        # 2026 expandable heap (spec 4.4 staging): chunks of n x 64 MiB appended at 0x4000000 + cumulative size.
+        # 2026 expandable heap (docs/uapi.md 4.4 staging): chunks of n x 64 MiB appended at 0x4000000 + cumulative size.
         memory, max_size = client.memory, self.profile.dev_heap_max_size
         if size == 0 or size % DEV_HEAP_CHUNK:
             raise fail(errno.EINVAL, op, f"heap size must be a non-zero multiple of {DEV_HEAP_CHUNK:#x}")
@@ -192,7 +193,7 @@ class BoIoctls:
                 file_offset=offset, _backing=memory.window.backing, view=memory.window.device, view_offset=offset)
         self.next_map_offset += size
         self.live_bos += 1
-        bo.refs += 1            # client->dev_heap_xa keeps every chunk until close (spec 7, lifetime)
+        bo.refs += 1            # client->dev_heap_xa keeps every chunk until close (docs/uapi.md 7, lifetime)
         memory.heaps.append(bo)
         return bo
 
@@ -207,7 +208,7 @@ class BoIoctls:
         return self._place_dev_bo(memory, offset, size, [memory.heap], internal)
 
     def _new_window_dev_bo(self, client: Client, size: int, op: str, internal: bool) -> Bo:
-        # Expandable heap (spec 4.4 staging): place in the whole window first (drm_mm), then find the chunks
+        # Expandable heap (docs/uapi.md 4.4 staging): place in the whole window first (drm_mm), then find the chunks
         # under the range; a short, missing or unmapped heap is EAGAIN so the caller can grow it and retry.
         memory, max_size = client.memory, self.profile.dev_heap_max_size
         size = page_align(size)

@@ -1,4 +1,5 @@
-"""Hardware-context ioctls: CREATE_HWCTX (admission, placement, QoS), DESTROY_HWCTX, CONFIG_HWCTX (spec 4.1-4.3)."""
+"""Hardware-context ioctls: CREATE_HWCTX (admission, placement, QoS), DESTROY_HWCTX, CONFIG_HWCTX (docs/uapi.md
+4.1-4.3)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
 
 log = logging.getLogger(__name__)
 
-CTX_INTERNAL_BOS = 4                # command-list buffers taken from the heap per context (spec 4.1 step 4)
+CTX_INTERNAL_BOS = 4                # command-list buffers taken from the heap per context (docs/uapi.md 4.1 step 4)
 CTX_INTERNAL_BO_SIZE = 4096
 MAX_CONFIG_CU_SIZE = 4096
 MAX_CUS = 32
 CONFIG_CU, ASSIGN_DBG_BUF, REMOVE_DBG_BUF = 0, 1, 2
-QOS_PRIORITIES = (0x100, 0x180, 0x200, 0x280)      # REALTIME HIGH NORMAL LOW (spec 3)
+QOS_PRIORITIES = (0x100, 0x180, 0x200, 0x280)      # REALTIME HIGH NORMAL LOW (docs/uapi.md 3)
 QOS_PRIORITY_HIGH = 0x180
-FW_MSG_CREATE_CONTEXT = 0x2         # firmware mailbox opcode named in the failure log (spec 4.1 step 8)
+FW_MSG_CREATE_CONTEXT = 0x2         # firmware mailbox opcode named in the failure log (docs/uapi.md 4.1 step 8)
 
 
 class ContextIoctls:
@@ -53,7 +54,7 @@ class ContextIoctls:
             client.contexts[ctx.handle] = ctx
             a["handle"], a["syncobj_handle"] = ctx.handle, ctx.syncobj_handle
             if self.profile.drm_minor >= 10:
-                a["umq_doorbell"] = 0xFFFFFFFF      # AMDXDNA_INVALID_DOORBELL_OFFSET on AIE2 (spec 2.1)
+                a["umq_doorbell"] = 0xFFFFFFFF      # AMDXDNA_INVALID_DOORBELL_OFFSET on AIE2 (docs/uapi.md 2.1)
 
     def _check_heap_alignment(self, client: Client, op: str) -> None:
         """Rule 50 (inferred, docs/emulator.md): the firmware maps the heap's user VA onto its device window and
@@ -112,7 +113,7 @@ class ContextIoctls:
                      pid=client.pid)
 
     def _check_qos(self, qos: dict, max_opc: int, op: str) -> None:
-        # QoS solver (<= 7.0, spec 4.1 step 7): needed GOPS must fit max_opc at the top H-clock.
+        # QoS solver (<= 7.0, docs/uapi.md 4.1 step 7): needed GOPS must fit max_opc at the top H-clock.
         if qos["gops"] == 0:
             return
         rate = max(qos["fps"], 1000 // qos["latency"] if qos["latency"] else 0)
@@ -125,7 +126,8 @@ class ContextIoctls:
         if prof.aligned_placement:
             return list(range(0, prof.columns - num_col + 1, num_col))
         if num_col == prof.columns:
-            return [0]          # only a full-width partition may use the reserved first column (spec 4.1 step 6)
+            # only a full-width partition may use the reserved first column (docs/uapi.md 4.1 step 6)
+            return [0]
         return list(range(prof.first_col, prof.columns - num_col + 1))
 
     def _place(self, num_col: int, op: str) -> int:
@@ -136,7 +138,7 @@ class ContextIoctls:
         for start in starts:
             if used.isdisjoint(range(start, start + num_col)):
                 return start
-        for ctx in self.contexts:       # time-share a partition of identical start and width (spec 4.1 step 8)
+        for ctx in self.contexts:       # time-share a partition of identical start and width (docs/uapi.md 4.1 step 8)
             if ctx.num_col == num_col and ctx.start_col in starts:
                 return ctx.start_col
         raise fail(errno.ENODEV, op, f"no free range of {num_col} columns and no partition to share")
@@ -160,7 +162,7 @@ class ContextIoctls:
             ctx.destroyed = True
             client.closing.append(ctx)
             self.cond.notify_all()
-        self.firmware.destroy_context(ctx)      # waits for the last job, aborts the rest (spec 4.2)
+        self.firmware.destroy_context(ctx)      # waits for the last job, aborts the rest (docs/uapi.md 4.2)
         with self.lock:
             client.closing.remove(ctx)
             for bo in (*ctx.internal_bos, *(cu for cu, _ in ctx.cus), *ctx.dbg_bos):

@@ -1,7 +1,7 @@
 """The emulated amdxdna driver: the ioctl table, DRM dispatch, the device, its fds and the seam.
 
-Behaviour follows spec/amdxdna-uapi.md (7.0-era AIE2 driver unless a profile option says otherwise)
-and the numbered rules of spec/driver-rules.md; comments cite the section. The ioctl handlers live by
+Behaviour follows docs/uapi.md (7.0-era AIE2 driver unless a profile option says otherwise)
+and the numbered rules of docs/driver-rules.md; comments cite the section. The ioctl handlers live by
 family (docs/emulator.md, Modules): ``contexts.py`` (CREATE/DESTROY/CONFIG_HWCTX), ``buffers.py``
 (CREATE_BO, GET_BO_INFO, SYNC_BO, GEM_CLOSE, PRIME), ``submit.py`` (EXEC_CMD, WAIT_CMD, syncobjs) and
 ``queries.py`` (VERSION, GET_CAP, GET_INFO, GET_ARRAY, SET_STATE), each a mixin of ``EmuDevice``. This
@@ -39,7 +39,7 @@ from .submit import WAIT_SLICE_S, SubmitIoctls
 
 log = logging.getLogger(__name__)
 
-# --- _IOC request layout (asm-generic/ioctl.h; spec 1) ---
+# --- _IOC request layout (asm-generic/ioctl.h; docs/uapi.md 1) ---
 IOC_NRBITS, IOC_TYPEBITS, IOC_SIZEBITS = 8, 8, 14
 IOC_NRSHIFT = 0
 IOC_TYPESHIFT = IOC_NRSHIFT + IOC_NRBITS
@@ -100,7 +100,7 @@ class Faults:
         self.next_create_hwctx_errno = err
 
     def cap_contexts(self, n: int) -> None:
-        """Lower the firmware context limit to `n` (spec 4.1 step 8: the refusal is EINVAL).
+        """Lower the firmware context limit to `n` (docs/uapi.md 4.1 step 8: the refusal is EINVAL).
 
         Raises:
             ValueError: `n` is not an int >= 0.
@@ -202,7 +202,8 @@ def _driver_table(profile: Profile) -> dict[int, IoctlDef]:
     for index, (name, layout, direction, handler) in enumerate(driver):
         table[DRM_COMMAND_BASE + index] = IoctlDef(name, layout, direction, handler)
     table[DRM_COMMAND_BASE + 8] = IoctlDef("SET_STATE", L.set_state, rw, "set_state", root_only=True)
-    # Slot 9: WAIT_CMD is IOWR out of tree (spec 12), IOW in mainline >= 0.10, an empty slot before (spec 1b).
+    # Slot 9: WAIT_CMD is IOWR out of tree (docs/uapi.md 12), IOW in mainline >= 0.10, an empty slot before
+    # (docs/uapi.md 1b).
     if profile.wait_cmd or profile.drm_minor >= 10:
         table[DRM_COMMAND_BASE + 9] = IoctlDef("WAIT_CMD", L.wait_cmd, rw if profile.wait_cmd else IOC_WRITE,
                                                "wait_cmd")
@@ -220,7 +221,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
 
         Args:
             profile: a name of PROFILES or a Profile.
-            tdr_timeout: seconds before a hung job is timed out (staging default 2 s, spec 6.7).
+            tdr_timeout: seconds before a hung job is timed out (staging default 2 s, docs/uapi.md 6.7).
             cap_sys_admin: whether callers count as root for DRM_ROOT_ONLY ioctls (default: euid 0).
             options: Profile field overrides, e.g. ``drm_minor=6``, ``wait_cmd=True``, ``expandable_heap=True``,
                 ``coherent=True`` (no device copy of buffers: SYNC_BO changes nothing), ``hwctx_entry_size=160``.
@@ -359,7 +360,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         cap = self.faults.context_cap
         return self.profile.hwctx_limit if cap is None else min(cap, self.profile.hwctx_limit)
 
-    # --- user mappings (spec 7, lifetime) ---
+    # --- user mappings (docs/uapi.md 7, lifetime) ---
 
     def may_block(self) -> bool:
         """Whether the calling thread may wait for jobs: not a firmware thread, not inside the driver's lock
@@ -372,7 +373,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
 
     def wait_for_mapped_jobs(self, client: Client, addr: int, length: int) -> bool:
         """Wait (lock released) for the in-flight jobs taking as an argument a BO that `client` maps in
-        [addr, addr+length), as the MMU notifier waits on the BO's fences (spec 7). A lost or closing device
+        [addr, addr+length), as the MMU notifier waits on the BO's fences (docs/uapi.md 7). A lost or closing device
         ends the wait: its jobs end without resolving addresses. Returns whether it waited."""
         with self.lock:
             mapped = {id(bo) for _, _, bo, _ in client.memory.overlapping(addr, length)}
@@ -405,7 +406,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
                 for key in [k for k, exported in self.exports.items() if exported is bo]:
                     del self.exports[key]
 
-    # --- ioctl dispatch (spec 4.0) ---
+    # --- ioctl dispatch (docs/uapi.md 4.0) ---
 
     def ioctl(self, client: Client, request: int, buf) -> int:
         """Dispatch one raw ioctl like drm_ioctl(); returns 0.
@@ -461,7 +462,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             OSError: EFAULT when `buf` is shorter than the request's size field.
         """
         # drm_ioctl: copy in only if both sides say IN, out only if both say OUT; the kernel buffer is
-        # max(user, kernel) bytes with the tail zero-filled (spec 4.0, rule D3).
+        # max(user, kernel) bytes with the tail zero-filled (docs/uapi.md 4.0, rule D3).
         in_size = user_size if user_dir & entry.direction & IOC_WRITE else 0
         out_size = user_size if user_dir & entry.direction & IOC_READ else 0
         try:
@@ -595,7 +596,7 @@ class EmuSeam:
         flags = usermem.MAP_SHARED | (usermem.MAP_FIXED if addr else 0)
         mapped = usermem.mmap(addr, length, usermem.PROT_READ | usermem.PROT_WRITE, flags, bo.memfd,
                               bo.file_offset)
-        bo.refs += 1        # a mapping keeps the GEM object alive (spec 7, lifetime)
+        bo.refs += 1        # a mapping keeps the GEM object alive (docs/uapi.md 7, lifetime)
         # The new mapping replaces whatever was mapped in its range (MAP_FIXED unmaps it first): the
         # device must no longer resolve those addresses to the old BO, whose mapping reference goes.
         for _, _, old in client.memory.remove_range(mapped, page_align(length)):
@@ -633,7 +634,7 @@ class EmuSeam:
         """Unmap [addr, addr+length) (a BO mapping or a reservation).
 
         Unmapping any part of a mapping of a BO that in-flight jobs take as an argument first waits for those
-        jobs to end, as the driver's MMU notifier waits on the BO's fences (spec 7, lifetime): the device
+        jobs to end, as the driver's MMU notifier waits on the BO's fences (docs/uapi.md 7, lifetime): the device
         resolves SHMEM addresses through the mapping (SVA). The wait holds no device lock; the TDR bounds it,
         and EmuDevice.close or a lost device ends it (their jobs end without resolving addresses).
 

@@ -5,14 +5,14 @@ order (so they complete in order) and an engine thread that runs kernel models (
 computes runs on the worker itself: docs/emulator.md, "Lookups, hand-off and BLAS threads"). A job goes
 through two phases, mirroring the driver's run_job and the firmware:
 
-* driver checks (spec/amdxdna-uapi.md 6.1-6.5): the packet header, the opcode, the CU mask, the
+* driver checks (docs/uapi.md 6.1-6.5): the packet header, the opcode, the CU mask, the
   chain's sub-commands and the 4 KiB command-list budget. A failure here leaves the header state
-  NEW while the fence still signals (spec 6.6);
-* firmware execution: the regmap (mlir-aie layout, xrt-npu-sequence.md 1.7), the TXN stream in the
+  NEW while the fence still signals (docs/uapi.md 6.6);
+* firmware execution: the regmap (mlir-aie layout, docs/xrt-sequence.md 1.7), the TXN stream in the
   heap window, every DDR_PATCH resolved to a BO, then the model bound to the stream's digest.
-  A failure is ERROR with the payload 0xFF-filled (spec 6.6).
+  A failure is ERROR with the payload 0xFF-filled (docs/uapi.md 6.6).
 
-TDR (spec 6.7; staging's tdr_timeout_ms with progress detection): a model that makes no progress
+TDR (docs/uapi.md 6.7; staging's tdr_timeout_ms with progress detection): a model that makes no progress
 (its engine thread burns no CPU) for `tdr_timeout` seconds is abandoned: its job ends TIMEOUT with a
 context-health record, the context's other in-flight jobs end ABORT, and the lane gets a fresh engine,
 so the context stays usable. An injected hang is an Event wait: it burns no CPU, and the task never
@@ -38,7 +38,7 @@ from .models import Model, ModelRegistry, model_name, stream_digest
 
 logger = logging.getLogger(__name__)
 
-# ERT opcodes and states (spec 3, "Kernel-internal").
+# ERT opcodes and states (docs/uapi.md 3, "Kernel-internal").
 ERT_START_CU = 0
 ERT_START_DPU = 18
 ERT_CMD_CHAIN = 19
@@ -52,20 +52,20 @@ ERT_CMD_STATE_ABORT = 6
 ERT_CMD_STATE_TIMEOUT = 8
 _FAILED_STATES = (ERT_CMD_STATE_ERROR, ERT_CMD_STATE_ABORT, ERT_CMD_STATE_TIMEOUT)
 
-AIE2_EXEC_BUFFER_KERNEL_OP_TXN = 3      # regmap opcode of a TXN stream (xrt-npu-sequence.md 2.2)
-MAX_CHAIN_CMDBUF_SIZE = 4096            # the command-list buffer (spec 6.5)
+AIE2_EXEC_BUFFER_KERNEL_OP_TXN = 3      # regmap opcode of a TXN stream (docs/xrt-sequence.md 2.2)
+MAX_CHAIN_CMDBUF_SIZE = 4096            # the command-list buffer (docs/uapi.md 6.5)
 CHAIN_SLOT_CF = 8                       # cmd_chain_slot_execbuf_cf: cu_idx, arg_cnt
 CHAIN_SLOT_NPU = 52                     # cmd_chain_slot_npu (packed): type, 3 addresses, 6 u32
-MAX_NPU_ARGS_WORDS = 26                 # properties + regmap of an NPU command-list slot (spec 6.3)
+MAX_NPU_ARGS_WORDS = 26                 # properties + regmap of an NPU command-list slot (docs/uapi.md 6.3)
 START_NPU_PREAMBLE = 16                 # u64 instruction address, u32 size in bytes, u32 prop_count
-REGMAP_INSTR, REGMAP_NINSTR, REGMAP_SLOTS = 0x08, 0x10, 0x14   # mlir-aie regmap (xrt-npu-sequence.md 1.7)
+REGMAP_INSTR, REGMAP_NINSTR, REGMAP_SLOTS = 0x08, 0x10, 0x14   # mlir-aie regmap (docs/xrt-sequence.md 1.7)
 CHAIN_PREAMBLE = 24                     # command_count, submit_index, error_index, reserved[3]
 CHAIN_ERROR_INDEX = 4 + 8               # byte offset of error_index in a chain packet
 CTX_HEALTH_V1 = 1                       # struct amdxdna_ctx_health version
 NPU_GEN_AIE2 = 0                        # AMDXDNA_CMD_CTX_HEALTH_AIE2
 CTX_HEALTH_BYTES = 32                   # version, npu_gen + six u32 of aie2_ctx_health
 WATCH_SLICE_S = 60.0                    # longest single wait of the TDR watch (it loops until its deadline)
-DESTROY_GRACE_S = 2.0                   # DESTROY_HWCTX waits this long for the last job (spec 4.2)
+DESTROY_GRACE_S = 2.0                   # DESTROY_HWCTX waits this long for the last job (docs/uapi.md 4.2)
 # A running model must burn at least this share of the TDR period in CPU to count as progress.
 PROGRESS_SHARE = 0.05
 PROGRAM_CACHE = 1024                    # walked streams kept by digest
@@ -89,7 +89,7 @@ def _firmware_thread(target, *args) -> None:
 
 
 class MalformedCommand(Exception):
-    """The driver rejects the packet when the job runs: the state stays NEW (spec 6.6)."""
+    """The driver rejects the packet when the job runs: the state stays NEW (docs/uapi.md 6.6)."""
 
 
 class FirmwareError(Exception):
@@ -108,7 +108,7 @@ class Packet:
 
 
 def decode_header(word: int) -> tuple[int, int, int, int]:
-    """Header word -> (state 3:0, extra CU masks 11:10, count 22:12, opcode 27:23) (spec 6.1)."""
+    """Header word -> (state 3:0, extra CU masks 11:10, count 22:12, opcode 27:23) (docs/uapi.md 6.1)."""
     return word & 0xF, (word >> 10) & 0x3, (word >> 12) & 0x7FF, (word >> 23) & 0x1F
 
 
@@ -116,7 +116,7 @@ def read_packet(mem: memoryview) -> Packet:
     """Decode the packet of a command BO.
 
     Raises:
-        MalformedCommand: count not above the mask words, or the packet does not fit the BO (spec 6.1).
+        MalformedCommand: count not above the mask words, or the packet does not fit the BO (docs/uapi.md 6.1).
     """
     if len(mem) < 4:
         raise MalformedCommand(f"command BO of {len(mem)} bytes has no header")
@@ -131,7 +131,7 @@ def read_packet(mem: memoryview) -> Packet:
 
 
 def cu_index(masks: tuple[int, ...]) -> int:
-    """Lowest set bit of the first non-zero CU mask word (its index within that word, spec 6.1).
+    """Lowest set bit of the first non-zero CU mask word (its index within that word, docs/uapi.md 6.1).
 
     Raises:
         MalformedCommand: no bit set.
@@ -441,7 +441,7 @@ class Firmware:
         return None
 
     def _restart(self, lane: _Lane) -> list:
-        """After a TDR: a fresh engine, and the context's other in-flight jobs to ABORT (spec 6.7)."""
+        """After a TDR: a fresh engine, and the context's other in-flight jobs to ABORT (docs/uapi.md 6.7)."""
         with lane.cond:
             old, lane.engine = lane.engine, _Engine(lane.engine.thread.name, lane.cond)
             aborted = list(lane.jobs)
@@ -493,7 +493,8 @@ class Firmware:
             struct.pack_into("<I", job.cmd_bo.mem, CHAIN_ERROR_INDEX, outcome.error_index)
 
     def _fill_target(self, job) -> Bo | None:
-        """The BO whose payload a failure overwrites: a chain's first sub-command, else the command (spec 6.6)."""
+        """The BO whose payload a failure overwrites: a chain's first sub-command, else the command
+        (docs/uapi.md 6.6)."""
         try:
             packet = read_packet(job.cmd_bo.mem)
             if packet.opcode != ERT_CMD_CHAIN:
@@ -553,7 +554,7 @@ class Firmware:
         return Dispatch(bo, ERT_START_NPU, cu, regmap, CHAIN_SLOT_NPU + 4 * args_words, instr, size)
 
     def _cmd_bo(self, job, handle: int) -> Bo:
-        # A chain names its sub-commands by handle, looked up when the job runs (spec 6.5), under the
+        # A chain names its sub-commands by handle, looked up when the job runs (docs/uapi.md 6.5), under the
         # driver's lock as the user may be closing handles meanwhile.
         with job.device.lock:
             bo = job.ctx.fd.bos.get(handle)
@@ -736,7 +737,7 @@ def _configured_cu(ctx, masks: tuple[int, ...]) -> int:
 
 
 def _chain_handles(packet: Packet) -> list[int]:
-    """The sub-command BO handles of a chain payload (low 32 bits of each u64, spec 6.5).
+    """The sub-command BO handles of a chain payload (low 32 bits of each u64, docs/uapi.md 6.5).
 
     Raises:
         MalformedCommand: no sub-commands, or fewer handles than command_count.
@@ -842,13 +843,13 @@ def _set_state(mem: memoryview, state: int) -> None:
 
 
 def _fill_payload(mem: memoryview) -> None:
-    """0xFF over everything after the header, to the end of the BO (spec 6.6, the 2026-02 "fill invalid
+    """0xFF over everything after the header, to the end of the BO (docs/uapi.md 6.6, the 2026-02 "fill invalid
     payload" fix), whatever the header's count says."""
     mem[4:] = b"\xff" * (len(mem) - 4)
 
 
 def _write_health(mem: memoryview, txn_op_idx: int) -> None:
-    """The context-health record at the start of the payload (spec 6.6, xrt-npu-sequence.md 1.9)."""
+    """The context-health record at the start of the payload (docs/uapi.md 6.6, docs/xrt-sequence.md 1.9)."""
     if len(mem) - 4 >= CTX_HEALTH_BYTES:
         # version, npu_gen, txn_op_idx, ctx_pc, fatal_error_{type, exception_type, exception_pc, app_module}
         struct.pack_into("<8I", mem, 4, CTX_HEALTH_V1, NPU_GEN_AIE2, txn_op_idx, 0, 0, 0, 0, 0)

@@ -1,7 +1,7 @@
-"""The emulator's own view of every ioctl struct: ``struct`` formats written from spec/amdxdna-uapi.md.
+"""The emulator's own view of every ioctl struct: ``struct`` formats written from docs/uapi.md.
 
 Deliberately independent of ``headers/`` and ``amdxdna_direct.abi``: the emulator plays the kernel,
-so it must not share the binding's mistakes. Offsets and sizes are those of spec sections 2 and 5
+so it must not share the binding's mistakes. Offsets and sizes are those of docs/uapi.md sections 2 and 5
 (x86_64, little-endian, natural alignment); ``x`` codes stand for compiler padding.
 """
 
@@ -48,7 +48,7 @@ def _layout(name: str, spec: str) -> Layout:
     return Layout(name, tuple(fields), "".join(codes))
 
 
-# --- amdxdna ioctl carriers (spec 2.1-2.4) ---
+# --- amdxdna ioctl carriers (docs/uapi.md 2.1-2.4) ---
 create_hwctx = _layout("amdxdna_drm_create_hwctx",
                        "Q:ext Q:ext_flags Q:qos_p I:umq_bo I:log_buf_bo I:max_opc I:num_tiles I:mem_size "
                        "I:umq_doorbell I:handle I:syncobj_handle")
@@ -68,7 +68,7 @@ get_info = _layout("amdxdna_drm_get_info", "I:param I:buffer_size Q:buffer")
 get_array = _layout("amdxdna_drm_get_array", "I:param I:element_size I:num_element I:pad Q:buffer")
 set_state = _layout("amdxdna_drm_set_state", "I:param I:buffer_size Q:buffer")
 
-# --- GET_INFO / GET_ARRAY / SET_STATE payloads (spec 2.5) ---
+# --- GET_INFO / GET_ARRAY / SET_STATE payloads (docs/uapi.md 2.5) ---
 query_aie_status = _layout("amdxdna_drm_query_aie_status", "Q:buffer I:buffer_size I:cols_filled")
 query_aie_version = _layout("amdxdna_drm_query_aie_version", "I:major I:minor")
 query_aie_tile_metadata = _layout("amdxdna_drm_query_aie_tile_metadata",
@@ -91,7 +91,7 @@ get_resource_info = _layout("amdxdna_drm_get_resource_info",
                             "Q:npu_clk_max Q:npu_tops_max Q:npu_task_max Q:npu_tops_curr Q:npu_task_curr")
 attribute_state = _layout("amdxdna_drm_attribute_state", "B:state 7s:pad")
 query_telemetry_header = _layout("amdxdna_drm_query_telemetry_header", "I:major I:minor I:type I:map_num_elements")
-# The 7.0 entry is 144 bytes (spec 2.5); staging/OOT append char name[16] (160).
+# The 7.0 entry is 144 bytes (docs/uapi.md 2.5); staging/OOT append char name[16] (160).
 hwctx_entry = _layout("amdxdna_drm_hwctx_entry",
                       "I:context_id I:start_col I:num_col I:hwctx_id q:pid Q:command_submissions "
                       "Q:command_completions Q:migrations Q:preemptions Q:errors Q:priority Q:heap_usage "
@@ -103,7 +103,7 @@ hwctx_entry_oot = Layout(hwctx_entry.name, (*hwctx_entry.fields, "name"), hwctx_
 async_error = _layout("amdxdna_async_error", "Q:err_code Q:ts_us Q:ex_err_code")
 bo_usage = _layout("amdxdna_drm_bo_usage", "q:pid Q:total_usage Q:internal_usage Q:heap_usage")
 
-# --- DRM core (spec 5, abi-facts-drm.txt) ---
+# --- DRM core (docs/uapi.md 5, docs/uapi.md A.3) ---
 drm_version = _layout("drm_version",
                       "i:version_major i:version_minor i:version_patchlevel 4x Q:name_len Q:name Q:date_len "
                       "Q:date Q:desc_len Q:desc")
@@ -112,7 +112,7 @@ get_cap = _layout("drm_get_cap", "Q:capability Q:value")
 prime_handle = _layout("drm_prime_handle", "I:handle I:flags i:fd")
 syncobj_create = _layout("drm_syncobj_create", "I:handle I:flags")
 syncobj_destroy = _layout("drm_syncobj_destroy", "I:handle I:pad")
-# Newer kernels append u64 deadline_nsec; DRM zero-fills the older, shorter struct (spec 5).
+# Newer kernels append u64 deadline_nsec; DRM zero-fills the older, shorter struct (docs/uapi.md 5).
 syncobj_wait = _layout("drm_syncobj_wait",
                        "Q:handles q:timeout_nsec I:count_handles I:flags I:first_signaled I:pad Q:deadline_nsec")
 syncobj_timeline_wait = _layout("drm_syncobj_timeline_wait",

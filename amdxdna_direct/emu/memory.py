@@ -2,13 +2,13 @@
 
 Every BO is backed by real shared pages (a ``memfd``): the kernel side holds a writable ``mmap`` view
 (``Bo.mem``), and the user maps the same file through the seam's ``mmap`` path, so host and "device"
-see the same bytes. DEV BOs are sub-ranges of the fd's DEV_HEAP and share its pages (spec 7).
+see the same bytes. DEV BOs are sub-ranges of the fd's DEV_HEAP and share its pages (docs/uapi.md 7).
 
-With the 2026 expandable heap (spec 4.4) an fd has several heap chunks laid end to end in device space.
+With the 2026 expandable heap (docs/uapi.md 4.4) an fd has several heap chunks laid end to end in device space.
 They are windows of one sparse per-fd file (``HeapWindow``), so a DEV BO that spans chunks is still one
 contiguous range of pages for the device side, as it is for the user through contiguous chunk mappings.
 
-Device addresses resolve as the NPU sees them (spec 7): the heap window ``[0x4000000, 0x4000000 +
+Device addresses resolve as the NPU sees them (docs/uapi.md 7): the heap window ``[0x4000000, 0x4000000 +
 heap size)`` (all chunks) for DEV BOs, and for SHMEM BOs the process virtual address of a live user mapping (IOMMU
 SVA, <= 7.0). Anything else is a ``DeviceFault``, which fails the command like a bad DMA would.
 """
@@ -27,9 +27,9 @@ AMDXDNA_BO_SHMEM, AMDXDNA_BO_DEV_HEAP, AMDXDNA_BO_DEV, AMDXDNA_BO_CMD = 1, 2, 3,
 BO_KIND_NAMES = {AMDXDNA_BO_SHMEM: "SHMEM", AMDXDNA_BO_DEV_HEAP: "DEV_HEAP", AMDXDNA_BO_DEV: "DEV",
                  AMDXDNA_BO_CMD: "CMD"}
 AMDXDNA_INVALID_ADDR = (1 << 64) - 1
-AIE2_DEVM_BASE = 0x4000000          # device address of the heap (spec 4.4 DEV_HEAP)
+AIE2_DEVM_BASE = 0x4000000          # device address of the heap (docs/uapi.md 4.4 DEV_HEAP)
 PAGE_SIZE = 4096
-DEV_BO_ALIGN = 32 << 10             # DEV BOs start 32 KiB aligned (spec 4.4 DEV, 7)
+DEV_BO_ALIGN = 32 << 10             # DEV BOs start 32 KiB aligned (docs/uapi.md 4.4 DEV, 7)
 BACKING_NAME = "amdxdna-"           # memfd name prefix of every emulated BO's pages (a dma-buf's fd link shows it)
 
 
@@ -47,7 +47,7 @@ class Bo:
     """The driver-side buffer object.
 
     ``refs`` counts the GEM handle, every job that references the BO, and (for the heap) every DEV BO
-    and hardware context carved out of it: the backing is released when it drops to zero (spec 7,
+    and hardware context carved out of it: the backing is released when it drops to zero (docs/uapi.md 7,
     "Lifetime").
     """
 
@@ -146,7 +146,7 @@ def release_backing(bo: Bo) -> None:
 
 
 class HeapAllocator:
-    """First-fit placement in the DEV_HEAP (drm_mm in the driver), 32 KiB-aligned starts (spec 4.4)."""
+    """First-fit placement in the DEV_HEAP (drm_mm in the driver), 32 KiB-aligned starts (docs/uapi.md 4.4)."""
 
     def __init__(self, size: int):
         self.size = size

@@ -3,8 +3,8 @@
 Firmware cannot know what a TXN stream computes, so the emulator is told: a model is bound to the
 sha256 of the stream's bytes (as many as its TXN header's size, read from the instruction BO) and is called with
 writable uint8 views of the buffers the stream's DDR_PATCH ops resolved, keyed by `arg_idx`
-(docs/design.md section 2). Semantics follow spec/sam3-bundle.md sections 2-6: bf16 in and out,
-fp32 accumulation, round to nearest even on the way back to bf16.
+(docs/design.md section 2). The built-in models' semantics are in docs/emulator.md (built-in models): bf16 in
+and out, fp32 accumulation, round to nearest even on the way back to bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .memory import DeviceFault
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _BF16_BYTES = 2
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-# Query rows per attention block: bounds the fp32 score matrix to block x seq (sam3-bundle.md 5).
+# Query rows per attention block: bounds the fp32 score matrix to block x seq (docs/emulator.md, built-in models).
 _MHA_QUERY_BLOCK = 512
 
 
@@ -164,59 +164,22 @@ class Passthrough:
         return "Passthrough()"
 
 
-def _parse_layout(b_layout: str, k: int, n: int, lda: int) -> tuple[str, tuple[int, ...]]:
-    """Validate a B layout name (sam3-bundle.md 2 and 4) -> (kind, parameters).
-
-    Raises:
-        ValueError: unknown layout or one that does not fit k, n, lda.
-    """
-    if b_layout in ("kn", "nk"):
-        return b_layout, ()
-    kind, _, params = b_layout.partition(":")
-    if kind not in ("tiled", "conv3x3") or not params:
-        raise ValueError(f"unknown b_layout {b_layout!r} (kn, nk, tiled:KT,NT, conv3x3:P)")
-    try:
-        values = tuple(int(p) for p in params.split(","))
-    except ValueError:
-        raise ValueError(f"b_layout {b_layout!r}: parameters must be integers") from None
-    if kind == "tiled" and len(values) == 2:
-        kt, nt = values
-        if kt <= 0 or nt <= 0 or k % kt or n % nt:
-            raise ValueError(f"b_layout {b_layout!r}: KT must divide k={k} and NT must divide n={n}")
-        return kind, values
-    if kind == "conv3x3" and len(values) == 1:
-        _check_conv(values[0], k, n, lda)
-        return kind, values
-    raise ValueError(f"b_layout {b_layout!r}: tiled takes KT,NT and conv3x3 takes P")
-
-
-def _check_conv(p: int, k: int, n: int, lda: int) -> None:
-    """conv3x3:P needs K = (P+2)*D, lda = P*D and N = 3*P*Cout (sam3-bundle.md 4)."""
-    if p <= 0 or (k - lda) % 2 or (k - lda) <= 0:
-        raise ValueError(f"conv3x3:{p}: k={k}, lda={lda} do not give D = (k - lda) / 2 > 0")
-    d = (k - lda) // 2
-    if p * d != lda or n % (3 * p):
-        raise ValueError(f"conv3x3:{p}: need lda = P*D ({p}*{d}) and n a multiple of 3*P, got lda={lda}, n={n}")
-
-
 class Gemm:
     """C[m x n] = A[m x k] @ B[k x n] in bf16 with fp32 accumulation; args 0 = A, 1 = B, 2 = C.
 
-    Row i of A starts i*lda elements into the A buffer (lda < k for the overlapping rows of a
-    3x3 convolution); B is packed per `b_layout` (sam3-bundle.md 2 and 4).
+    Row i of A starts i*lda elements into the A buffer (lda < k: overlapping rows); B is row-major
+    [k][n] bf16 (docs/emulator.md, built-in models). IRON's packed-weight GEMM is sam3's `FlmGemm`.
     """
 
-    def __init__(self, m: int, k: int, n: int, lda: int, b_layout: str = "kn"):
-        """A GEMM of A (m x k, rows lda elements apart) by B (k x n, packed per `b_layout`).
+    def __init__(self, m: int, k: int, n: int, lda: int):
+        """A GEMM of A (m x k, rows lda elements apart) by B (k x n, row-major).
 
         Raises:
-            ValueError: non-positive sizes or a layout that does not fit them.
+            ValueError: non-positive sizes.
         """
         _positive(m=m, k=k, n=n, lda=lda)
         self.m, self.k, self.n, self.lda = m, k, n, lda
-        self.b_layout = b_layout
-        self._kind, self._params = _parse_layout(b_layout, k, n, lda)
-        self.name = f"gemm {m}x{k}x{n} lda={lda} {b_layout}"
+        self.name = f"gemm {m}x{k}x{n} lda={lda}"
         self.compute_only = True
 
     @property
@@ -226,7 +189,7 @@ class Gemm:
 
     @property
     def b_bytes(self) -> int:
-        """Bytes of packed B (k*n elements in every layout)."""
+        """Bytes of B (k*n bf16 elements)."""
         return self.k * self.n * _BF16_BYTES
 
     @property
@@ -245,22 +208,11 @@ class Gemm:
         c_raw = _bf16(_need(args, 2, self.c_bytes, "C", self.name))
         a = np.lib.stride_tricks.as_strided(a_raw, shape=(self.m, self.k), strides=(self.lda * a_raw.itemsize,
                                             a_raw.itemsize), writeable=False)
-        product = a.astype(np.float32) @ self._b_matrix(b_raw)
+        product = a.astype(np.float32) @ b_raw.reshape(self.k, self.n).astype(np.float32)
         c_raw.reshape(self.m, self.n)[...] = product          # cast to bf16 (round to nearest even) in place
 
-    def _b_matrix(self, b: np.ndarray) -> np.ndarray:
-        """B as an fp32 [k][n] matrix from its packed layout."""
-        k, n = self.k, self.n
-        if self._kind == "nk":
-            return b.reshape(n, k).astype(np.float32).T
-        if self._kind == "tiled":
-            kt, nt = self._params
-            return b.reshape(k // kt, n // nt, kt, nt).transpose(0, 2, 1, 3).reshape(k, n).astype(np.float32)
-        # kn and conv3x3:P are both row-major [K][N] (sam3-bundle.md 4).
-        return b.reshape(k, n).astype(np.float32)
-
     def __repr__(self) -> str:
-        return f"Gemm({self.m}, {self.k}, {self.n}, {self.lda}, {self.b_layout!r})"
+        return f"Gemm({self.m}, {self.k}, {self.n}, {self.lda})"
 
 
 class Mha:
@@ -283,7 +235,7 @@ class Mha:
         return self.heads * self.seq * self.d * _BF16_BYTES
 
     def __call__(self, args: dict[int, np.ndarray]) -> None:
-        """Compute o in place (softmax in fp32, sam3-bundle.md 5).
+        """Compute o in place (softmax in fp32, docs/emulator.md, built-in models).
 
         Raises:
             DeviceFault: a buffer missing or short.
@@ -312,8 +264,9 @@ class Mha:
 # The unary functions take the model's own fp32 copy and may overwrite it: one temporary at most, as the
 # SAM3-sized demo runs them over tens of millions of elements.
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    # The tanh approximation (sam3-bundle.md 6): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """The tanh-form GELU of float32 `x` (a new array; `x` is left as it is)."""
+    # The tanh approximation (docs/emulator.md, built-in models): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
     t = x * x
     t *= x
     t *= np.float32(0.044715)
@@ -335,7 +288,7 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return t
 
 
-_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {"gelu": _gelu, "silu": _silu, "copy": lambda x: x}
+_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {"gelu": gelu_tanh, "silu": _silu, "copy": lambda x: x}
 ELEMENTWISE_FNS = ("gelu", "silu", "add", "copy", "layernorm")
 
 
@@ -344,7 +297,7 @@ class Elementwise:
 
     gelu (tanh form), silu and copy read arg 0 (in place with one arg); add reads args 0 and 1
     (in place into arg 1 with two args); layernorm normalises each group of the last `n` elements
-    of arg 0 with `eps` (no affine), writing the last arg (sam3-bundle.md 6).
+    of arg 0 with `eps` (no affine), writing the last arg (docs/emulator.md, built-in models).
     """
 
     def __init__(self, fn: str, elems: int, eps: float = 1e-6, n: int | None = None):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_HWCTX_ID = 255                  # per-fd cyclic context handles 1..255 (spec 4.1 step 9)
+MAX_HWCTX_ID = 255                  # per-fd cyclic context handles 1..255 (docs/uapi.md 4.1 step 9)
 ERT_STATE_COMPLETED = 4
 
 
@@ -46,7 +46,7 @@ class Fence:
 
 
 class Timeline:
-    """A DRM syncobj: a chain of (point, fence, prev_seqno) links (dma_fence_chain semantics, spec 5).
+    """A DRM syncobj: a chain of (point, fence, prev_seqno) links (dma_fence_chain semantics, docs/uapi.md 5).
 
     A link continues the chain (prev_seqno = the previous point) when its point is later than the latest;
     otherwise dma_fence_chain_init gives it the latest point and a new fence context (prev_seqno 0), and a
@@ -133,7 +133,7 @@ class HwCtx:
 
     @property
     def inflight(self) -> int:
-        """Jobs submitted and not yet ended (at most HWCTX_MAX_CMDS, spec 4.7 step 6)."""
+        """Jobs submitted and not yet ended (at most HWCTX_MAX_CMDS, docs/uapi.md 4.7 step 6)."""
         return len(self.jobs)
 
 
@@ -188,11 +188,12 @@ class Client:
         self.device = device
         self.pid = os.getpid()
         self.comm = usermem.process_name()      # the opener's task comm (the OOT hwctx entry's name)
-        # SVA binds the process's mm at open: one PASID per process, allocated by the IOMMU (spec 7, open).
+        # SVA binds the process's mm at open: one PASID per process, allocated by the IOMMU (docs/uapi.md 7, open).
         self.pasid = device.pasids.setdefault(self.pid, len(device.pasids) + 1)
         self.memory = Memory(device.lock)
         if device.profile.expandable_heap:
-            # drm_mm_init over the whole window at open: DEV BOs are placed before chunks are checked (spec 4.4).
+            # drm_mm_init over the whole window at open: DEV BOs are placed before chunks are checked (docs/uapi.md
+            # 4.4).
             self.memory.allocator = HeapAllocator(device.profile.dev_heap_max_size)
         self.bos: dict[int, Bo] = {}
         self.syncobjs: dict[int, Timeline] = {}
@@ -213,7 +214,7 @@ class Client:
         return handle
 
     def next_ctx_handle(self) -> int | None:
-        """xa_alloc_cyclic over 1..MAX_HWCTX_ID (spec 4.1 step 9), None when every id is live."""
+        """xa_alloc_cyclic over 1..MAX_HWCTX_ID (docs/uapi.md 4.1 step 9), None when every id is live."""
         for step in range(1, MAX_HWCTX_ID + 1):
             handle = (self.last_ctx_handle + step - 1) % MAX_HWCTX_ID + 1
             if handle not in self.contexts and all(c.handle != handle for c in self.closing):

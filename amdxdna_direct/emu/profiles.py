@@ -1,4 +1,4 @@
-"""The emulated NPUs: PCI identity, geometry, firmware answers and driver options (spec 8).
+"""The emulated NPUs: PCI identity, geometry, firmware answers and driver options (docs/uapi.md 8).
 
 ``PROFILES`` maps a profile name to its ``Profile``; any field is an ``EmuDevice`` keyword override
 (docs/emulator.md, Profiles).
@@ -24,8 +24,8 @@ class TileMetadata:
 class Profile:
     """One emulated NPU: PCI identity, geometry, firmware answers and driver options.
 
-    Geometry, context limit and placement are spec 8 facts; AIE metadata, clocks, firmware version and
-    TOPS are emulator guesses (spec 8: "real values come from firmware").
+    Geometry, context limit and placement are docs/uapi.md 8 facts; AIE metadata, clocks, firmware version and
+    TOPS are emulator guesses (docs/uapi.md 8: "real values come from firmware").
     """
 
     name: str
@@ -48,11 +48,11 @@ class Profile:
     tops_max: int
     rows: int = 6
     core_rows: int = 4
-    drm_minor: int = 10             # feature level (spec 11): 0.10 has every ioctl the emulator models
-    expandable_heap: bool = False   # True models the 2026 expandable heap: several chunks per fd (spec 4.4)
-    dev_heap_max_size: int = 512 << 20  # expandable heap: device window per fd (spec 4.4, 8; NPU1 64 MiB)
-    wait_cmd: bool = False          # True models the out-of-tree driver's WAIT_CMD (spec 4.11, 12)
-    qos_size: int = 24              # bytes read from qos_p (32 on out-of-tree builds, spec 12)
+    drm_minor: int = 10             # feature level (docs/uapi.md 11): 0.10 has every ioctl the emulator models
+    expandable_heap: bool = False   # True models the 2026 expandable heap: several chunks per fd (docs/uapi.md 4.4)
+    dev_heap_max_size: int = 512 << 20  # expandable heap: device window per fd (docs/uapi.md 4.4, 8; NPU1 64 MiB)
+    wait_cmd: bool = False          # True models the out-of-tree driver's WAIT_CMD (docs/uapi.md 4.11, 12)
+    qos_size: int = 24              # bytes read from qos_p (32 on out-of-tree builds, docs/uapi.md 12)
     coherent: bool = False          # True: one copy of every buffer, SYNC_BO a no-op (fast; docs/emulator.md)
     hwctx_entry_size: int = 144     # GET_ARRAY HW_CONTEXT_ALL entry: 144 mainline, 160 staging/OOT (+ name)
 

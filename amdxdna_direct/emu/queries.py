@@ -1,5 +1,5 @@
 """Query and state ioctls: VERSION, GET_CAP, GET_INFO, GET_ARRAY and SET_STATE (power mode, preemption)
-(spec 4.8-4.10, 5, 10).
+(docs/uapi.md 4.8-4.10, 5, 10).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ DRM_CAP_PRIME, DRM_CAP_SYNCOBJ, DRM_CAP_SYNCOBJ_TIMELINE = 0x5, 0x13, 0x14
 DRM_PRIME_CAP_IMPORT_EXPORT = 0x3
 DRIVER_NAME = "amdxdna_accel_driver"
 DRIVER_DESC = "AMD XDNA DRM implementation"
-DRIVER_DATE = "0"                   # spec 5: the date string is "0" on >= 6.14
+DRIVER_DATE = "0"                   # docs/uapi.md 5: the date string is "0" on >= 6.14
 TELEMETRY_DATA_MAX = 4 << 20
-TELEMETRY_TYPES = 4                 # emulator choice: telemetry types the firmware knows (spec 10 gives none)
+TELEMETRY_TYPES = 4                 # emulator choice: telemetry types the firmware knows (docs/uapi.md 10 gives none)
 ASYNC_ERROR_SIZE = L.async_error.size
 
 
@@ -48,10 +48,10 @@ class QueryIoctls:
             raise fail(errno.EINVAL, "GET_CAP", f"capability={a['capability']:#x} not modelled")
         a["value"] = values[a["capability"]]
 
-    # --- GET_INFO (spec 4.8, 10) ---
+    # --- GET_INFO (docs/uapi.md 4.8, 10) ---
 
     def _param_handler(self, table: dict[int, tuple], param: int, op: str) -> Callable:
-        """The handler of a GET_INFO / GET_ARRAY / SET_STATE param at this feature level (spec 10, 11).
+        """The handler of a GET_INFO / GET_ARRAY / SET_STATE param at this feature level (docs/uapi.md 10, 11).
 
         Raises:
             OSError: EOPNOTSUPP for a param the driver does not know (or not yet, at this DRM minor).
@@ -68,7 +68,7 @@ class QueryIoctls:
             handler(a, op)
 
     def _copy_result(self, a: dict, data: bytes, op: str) -> None:
-        # <= 7.0 copies fixed-size results whole, whatever buffer_size says (spec 4.8, rule I1).
+        # <= 7.0 copies fixed-size results whole, whatever buffer_size says (docs/uapi.md 4.8, rule I1).
         usermem.write(a["buffer"], data, op + " buffer")
 
     def _info_aie_status(self, a: dict, op: str) -> None:
@@ -113,7 +113,7 @@ class QueryIoctls:
         if len(entries) > a["buffer_size"]:
             raise fail(errno.EINVAL, op, f"{len(entries)} bytes of contexts do not fit {a['buffer_size']}")
         usermem.write(a["buffer"], entries, op + " buffer")
-        # Since 6.18 the returned size is what is left of the input (spec 10 quirk); before, bytes written.
+        # Since 6.18 the returned size is what is left of the input (docs/uapi.md 10 quirk); before, bytes written.
         a["buffer_size"] = a["buffer_size"] - len(entries) if self.profile.drm_minor >= 1 else len(entries)
 
     def _info_firmware_version(self, a: dict, op: str) -> None:
@@ -151,7 +151,7 @@ class QueryIoctls:
             "npu_clk_max": top, "npu_tops_max": prof.tops_max, "npu_task_max": self.hwctx_limit(),
             "npu_tops_curr": prof.tops_max * self.current_clocks()[1] // top, "npu_task_curr": len(self.contexts)}), op)
 
-    # --- GET_ARRAY (spec 4.9, 10) ---
+    # --- GET_ARRAY (docs/uapi.md 4.9, 10) ---
 
     def _ioctl_get_array(self, client: Client, a: dict) -> None:
         op = f"GET_ARRAY(param={a['param']})"
@@ -165,7 +165,8 @@ class QueryIoctls:
         if a["element_size"] > 4096 or a["num_element"] > 1024:
             raise fail(errno.EINVAL, op, "element_size must be 1..4096 and num_element <= 1024")
         # The driver packs entries at min(element_size, its own sizeof) and fits as many as the caller's
-        # num_element x element_size bytes hold; it hands back that element size and the count written (spec 10).
+        # num_element x element_size bytes hold; it hands back that element size and the count written (docs/uapi.md
+        # 10).
         layout = L.hwctx_entry_oot if self.profile.hwctx_entry_size == L.hwctx_entry_oot.size else L.hwctx_entry
         size = min(a["element_size"], layout.size)
         capacity = a["num_element"] * a["element_size"] // size
@@ -204,7 +205,7 @@ class QueryIoctls:
         usermem.write(a["buffer"], L.bo_usage.pack(usage)[:size], op + " buffer")
         a["element_size"] = size
 
-    # --- SET_STATE (spec 4.10, 10) ---
+    # --- SET_STATE (docs/uapi.md 4.10, 10) ---
 
     def _ioctl_set_state(self, client: Client, a: dict) -> None:
         op = f"SET_STATE(param={a['param']})"
@@ -234,7 +235,7 @@ class QueryIoctls:
         self.preempt_state[key] = request["state"]
 
 
-# Dispatch tables: param -> (method, minimum DRM minor, leading arguments) (spec 10, 11).
+# Dispatch tables: param -> (method, minimum DRM minor, leading arguments) (docs/uapi.md 10, 11).
 _GET_INFO = {0: ("_info_aie_status", 0), 1: ("_info_aie_metadata", 0), 2: ("_info_aie_version", 0),
              3: ("_info_clock_metadata", 0), 4: ("_info_sensors", 0), 5: ("_info_hw_contexts", 0),
              8: ("_info_firmware_version", 0), 9: ("_info_power_mode", 0), 10: ("_info_telemetry", 5),
@@ -245,7 +246,7 @@ _SET_STATE = {0: ("_set_power_mode", 0), 3: ("_set_preempt", 6, "force"),
 
 
 def _add_usage(usage: dict, client: Client) -> None:
-    # Heap and CMD count as internal, SHMEM as external, DEV only in heap_usage (spec 10 BO_USAGE).
+    # Heap and CMD count as internal, SHMEM as external, DEV only in heap_usage (docs/uapi.md 10 BO_USAGE).
     for bo in client.bos.values():
         if bo.kind == AMDXDNA_BO_DEV:
             usage["heap_usage"] += bo.size

@@ -1,4 +1,4 @@
-"""Command submission and waits: EXEC_CMD, WAIT_CMD and the DRM syncobj ioctls (spec 4.7, 4.11, 5).
+"""Command submission and waits: EXEC_CMD, WAIT_CMD and the DRM syncobj ioctls (docs/uapi.md 4.7, 4.11, 5).
 
 EXEC_CMD validates, books the job (seq, timeline point, BO references) and hands it to the firmware
 (``emu/firmware.py``); the waits block on the device condition with the lock released.
@@ -14,8 +14,8 @@ from . import usermem
 from .memory import AMDXDNA_BO_CMD, Bo
 from .objects import Client, Fence, HwCtx, Job, Timeline, fail
 
-HWCTX_MAX_CMDS = 4                  # jobs in flight per context (spec 4.7 step 6)
-MAX_CMD_BO_SIZE = 32 << 10          # CMD BO limit checked at EXEC_CMD (spec 4.4 CMD, 4.7 step 3)
+HWCTX_MAX_CMDS = 4                  # jobs in flight per context (docs/uapi.md 4.7 step 6)
+MAX_CMD_BO_SIZE = 32 << 10          # CMD BO limit checked at EXEC_CMD (docs/uapi.md 4.4 CMD, 4.7 step 3)
 MAX_ARG_COUNT = 4095
 AMDXDNA_CMD_SUBMIT_EXEC_BUF = 0
 DRM_SYNCOBJ_CREATE_SIGNALED = 1
@@ -53,7 +53,7 @@ class SubmitIoctls:
             ctx = client.contexts.get(a["hwctx"])
             if ctx is None:
                 raise fail(errno.EINVAL, op, "hwctx not found")
-            # The lookups take the references (spec 4.7 step 4), before the wait for a slot: a GEM_CLOSE
+            # The lookups take the references (docs/uapi.md 4.7 step 4), before the wait for a slot: a GEM_CLOSE
             # while this call blocks drops only the handle (rule D7).
             held = (cmd_bo, *arg_bos)
             for bo in held:
@@ -68,7 +68,7 @@ class SubmitIoctls:
             a["seq"] = self._submit(ctx, cmd_bo, arg_bos)
 
     def _wait_for_slot(self, ctx: HwCtx, op: str) -> None:
-        """Block (lock released) while the context has HWCTX_MAX_CMDS jobs in flight (spec 4.7 step 6)."""
+        """Block (lock released) while the context has HWCTX_MAX_CMDS jobs in flight (docs/uapi.md 4.7 step 6)."""
         while ctx.inflight >= HWCTX_MAX_CMDS and not (ctx.destroyed or self.lost or self.closing):
             self.cond.wait()
         if self.lost or self.closing:
@@ -94,7 +94,7 @@ class SubmitIoctls:
         fence = Fence()
         ctx.syncobj.add(seq, fence)
         ctx.stats["submissions"] += 1
-        # The job owns the references EXEC_CMD took until Job.complete drops them (spec 4.7 step 4, rule D7).
+        # The job owns the references EXEC_CMD took until Job.complete drops them (docs/uapi.md 4.7 step 4, rule D7).
         job = Job(self, ctx, seq, cmd_bo, arg_bos, fence)
         ctx.jobs[seq] = job
         self.firmware.submit(job)
@@ -136,7 +136,7 @@ class SubmitIoctls:
             # Sliced: INT64_MAX ns deadlines exceed threading.TIMEOUT_MAX; the loop re-checks anyway.
             self.cond.wait(min(remaining, WAIT_SLICE_S))
 
-    # --- syncobjs (spec 5, rule D8) ---
+    # --- syncobjs (docs/uapi.md 5, rule D8) ---
 
     def _syncobj(self, client: Client, handle: int, op: str, code: int = errno.ENOENT) -> Timeline:
         timeline = client.syncobjs.get(handle)

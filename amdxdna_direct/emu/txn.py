@@ -1,6 +1,6 @@
 """A firmware-side walker over TXN instruction streams (the aie-rt transaction format of insts.bin).
 
-Format (spec/xrt-npu-sequence.md 2.3, checked against the fixture streams word by word): a 4-word
+Format (docs/xrt-sequence.md 2.3, checked against the fixture streams word by word): a 4-word
 header `numRows<<24 | devGen<<16 | minor<<8 | major`, `numMemTileRows<<8 | numCols`, op count, total
 bytes; then the ops, each self-describing its length:
 

@@ -3,7 +3,7 @@
 The emulator runs in the caller's process, so a user pointer is a plain address of this process.
 Accesses go through ``process_vm_readv``/``process_vm_writev`` on our own pid: like the kernel's
 user-copy helpers they fail with EFAULT on an unmapped or protected address instead of crashing
-(the driver answers EFAULT for an unreadable qos_p, args, param_val ..., spec 4.1/4.3/4.7).
+(the driver answers EFAULT for an unreadable qos_p, args, param_val ..., docs/uapi.md 4.1/4.3/4.7).
 """
 
 from __future__ import annotations
