@@ -24,10 +24,27 @@ def test_readme_opens_with_install_and_test_commands():
 
 
 def test_readme_example_returns_the_input(monkeypatch, tmp_path):
-    (example,) = _python_blocks()
+    example = _python_blocks()[0]
     monkeypatch.chdir(tmp_path)  # it needs no file
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
     printed = np.array(out.getvalue().strip().strip("[]").split(), dtype=np.int64)
     np.testing.assert_array_equal(printed, np.arange(16))
+
+
+def test_readme_sam3_example_runs_on_a_generated_bundle(monkeypatch, tmp_path):
+    """The SAM3 snippet, with its bundle and image names pointed at a generated bundle and its reference image."""
+    from sam3.build import build
+    from sam3.bundle import Bundle
+
+    (snippet,) = [b for b in _python_blocks() if "Sam3(" in b]
+    root = build(tmp_path / "bundle", "tiny", variant="device-f32")
+    with Bundle.open(root) as b:
+        image = b.ref_image
+    code = snippet.replace('"bundle/"', repr(str(root))).replace('"cats.jpg"', repr(str(image)))
+    assert code != snippet
+    scope = {"__name__": "readme"}
+    exec(compile(code, "README.md", "exec"), scope)
+    found = scope["found"]
+    assert found.scores.shape[0] == found.boxes.shape[0] == found.masks.shape[0]
