@@ -362,6 +362,17 @@ def inspect_file(name: str, args: argparse.Namespace, load: Callable[[str], Any]
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (a usage error, exit 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
 def command_parser(subparsers: Any, name: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """A subcommand parser: its summary from :data:`COMMANDS`, ``description`` wrapped, ``epilog`` as is.
 

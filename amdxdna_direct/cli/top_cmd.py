@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from .. import open_device
 from ..device import Device
 from ..errors import XdnaError
-from . import add_device_option, command_parser, dump_json, fail, shown
+from . import add_device_option, command_parser, dump_json, fail, positive_int, shown
 from .info_cmd import clock_mhz, context_dict, error_text, format_contexts, query
 
 __all__ = ["COUNTERS", "add_parser", "run", "snapshot", "rates", "format_snapshot", "snapshots"]
@@ -50,16 +50,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the count must be at least 1")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``top`` on an ``argparse`` subparsers object."""
     parser = command_parser(
@@ -71,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_device_option(parser, "device to watch", "$AMDXDNA_DEVICE, else the first /dev/accel node driven by amdxdna")
     parser.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
                         help="seconds between refreshes (default: 1)")
-    parser.add_argument("--count", type=_count, default=None, metavar="N",
+    parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="stop after N refreshes (default: until q or Ctrl-C)")
     parser.add_argument("--json", action="store_true",
                         help="print one snapshot as a JSON object and exit (rates need two snapshots: null) "

@@ -33,7 +33,7 @@ from ..emu.models import Passthrough
 from ..errors import Error, XdnaError, errno_text
 from ..files import FileRefused
 from ..xclbin import Xclbin
-from . import add_device_option, command_parser, dump_json, fail, shown
+from . import add_device_option, command_parser, dump_json, fail, positive_int, shown
 from .run_cmd import UsageError, parse_model
 
 __all__ = ["Design", "DEFAULT_XRT", "find_bundle_designs", "find_xrt_designs", "read_ar", "validate_design",
@@ -65,16 +65,6 @@ exit codes:
        unknown emulator profile"""
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``validate`` on an ``argparse`` subparsers object."""
     parser = command_parser(
@@ -102,11 +92,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--model", metavar="MODEL",
                         help="emulator only: bind passthrough or gemm:M,K,N to the design's stream (default: "
                              "none; a stream without a model cannot run on the emulator)")
-    parser.add_argument("--runs", type=_positive, default=100, metavar="N",
+    parser.add_argument("--runs", type=positive_int, default=100, metavar="N",
                         help="single runs of the latency test (default: 100)")
-    parser.add_argument("--chain", type=_positive, default=24, metavar="N",
+    parser.add_argument("--chain", type=positive_int, default=24, metavar="N",
                         help="runs chained in one RunList for the throughput test (default: 24)")
-    parser.add_argument("--repeat", type=_positive, default=5, metavar="N",
+    parser.add_argument("--repeat", type=positive_int, default=5, metavar="N",
                         help="submissions of the chain in the throughput test (default: 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (default: text)")
     return parser
