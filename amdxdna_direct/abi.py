@@ -18,7 +18,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib
+import importlib.util
 import logging
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,14 +131,18 @@ def write_decl_module(target: Path | None = None, directory: Path | None = None)
 def _load_ffi() -> tuple[Any, tuple[type[BaseException], ...]]:
     """The generated declarations when they match the headers beside them, else the headers parsed now;
     with what ``ffi.new`` raises for an unknown type (``ffi.error``; also ``cffi.CDefError`` in line)."""
-    try:
-        _abi_decl = importlib.import_module(DECL_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != DECL_MODULE:
-            raise
+    # Loaded from the file beside this one, not through the import system: an editable install's finder would
+    # otherwise answer for the package name with another tree's module.
+    if not _DECL_PATH.is_file():
         _log.debug("%s is missing: parsing the headers in %s at import (in-line ABI mode, pycparser)",
                    _DECL_PATH, header_dir())
         return _in_line(header_dir())
+    spec = importlib.util.spec_from_file_location(DECL_MODULE, _DECL_PATH)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {_DECL_PATH}")
+    _abi_decl = importlib.util.module_from_spec(spec)
+    sys.modules[DECL_MODULE] = _abi_decl
+    spec.loader.exec_module(_abi_decl)
     try:
         directory = header_dir()
     except FileNotFoundError:
