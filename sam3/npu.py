@@ -416,7 +416,8 @@ class Npu:
         self.cap = _max_contexts(max_contexts)
         self.chains = _chains(chains)
         self.evict = evict
-        self.timeout: float | None = None if math.isinf(timeout) else float(timeout)
+        # math.inf is the runtime's FOREVER: a wait without bound, only when asked for (docs/sam3-npu.md 1).
+        self.timeout = float(timeout)
         self._owns_bundle = not isinstance(bundle, Bundle)
         self.bundle = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
         self._owns_device = not isinstance(device, Device)

@@ -401,3 +401,22 @@ def test_each_sync_of_a_stage_is_needed(npu, caplog, skipped):
     stale = pack.from_bf16(io.c.array(np.uint16, g.m * g.n).copy())
     assert not stale.any()  # the device's result has not reached the CPU's pages
     assert rel(pack.from_bf16(io.get_c(g.m)), oracle(a, b, bias, mode_of(npu.bundle, "v_o"))) < 1e-2
+
+
+def test_an_unbounded_timeout_reaches_the_wait_as_forever(host, monkeypatch):
+    """`Npu(timeout=math.inf)` waits without bound: the runtime reads None as its 10 s default, so math.inf (its
+    FOREVER) must be what reaches the wait."""
+    from amdxdna_direct import FOREVER
+    from amdxdna_direct.kernel import Run
+
+    seen = []
+    real = Run.wait
+
+    def spy(self, timeout=None):
+        seen.append(timeout)
+        return real(self, timeout)
+
+    monkeypatch.setattr(Run, "wait", spy)
+    with Npu(host, "emu:npu4", timeout=math.inf) as npu:
+        npu.run_mha(npu.mha_io("mha_glob"))
+    assert seen and all(t == FOREVER for t in seen)
