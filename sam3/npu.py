@@ -122,15 +122,11 @@ def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0, *, stored:
 def _push_bf16(src: np.ndarray, bo: Bo, what: str) -> int:
     """Pushes bf16 bits as they are, or floats rounded to bf16 straight into the mapping (no bits temporary)."""
     arr = np.asarray(src)
-    if arr.dtype.kind == "f" and arr.dtype.name != "bfloat16":
-        flat = arr.reshape(-1)
-        if flat.size > bo.size // BF16_BYTES:
-            raise ValueError(f"{what} of {flat.size} elements, the buffer holds {bo.size // BF16_BYTES}")
-        return push(flat, bo, dtype=BF16)
-    bits = bf16_bits(arr).reshape(-1)
-    if bits.size > bo.size // BF16_BYTES:
-        raise ValueError(f"{what} of {bits.size} elements, the buffer holds {bo.size // BF16_BYTES}")
-    return push(bits, bo)
+    rounded = arr.dtype.kind == "f" and arr.dtype.name != "bfloat16"
+    flat = arr.reshape(-1) if rounded else bf16_bits(arr).reshape(-1)
+    if flat.size > bo.size // BF16_BYTES:
+        raise ValueError(f"{what} of {flat.size} elements, the buffer holds {bo.size // BF16_BYTES}")
+    return push(flat, bo, dtype=BF16 if rounded else None)
 
 
 def _integer(value: Any, what: str) -> int:
