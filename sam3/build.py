@@ -1004,9 +1004,9 @@ class _Builder:
         self.w.file("cases/ref.png", _png(rgb))
 
 
-# The spec's block [64, 14.9375, 106.5, 94.5, 0, -1.5, -2.5, 3] (ties to even), a block whose largest value
-# rounds up to 128 and saturates, and one where values 2^-40 below the largest shift out: -0.0 and a tiny
-# negative become -1 (docs/sam3-packing.md 2.4).
+# The unit block of docs/sam3-packing.md, [64, 14.9375, 106.5, 94.5, 0, -1.5, -2.5, 3] (ties to even), a block
+# whose largest value rounds up to 128 and saturates, and one where values 2^-40 below the largest shift out: -0.0
+# and a tiny negative become -1 (docs/sam3-packing.md 2.4).
 _PACK_EDGE_BLOCKS = np.array([[64, 14.9375, 106.5, 94.5, 0, -1.5, -2.5, 3],
                               [127.75, 1, -1, 0.5, -0.5, 2, -2, 64],
                               [1.0, -0.0, -1e-13, 1e-13, 0.25, -0.25, 0.125, -0.125]], np.float32)

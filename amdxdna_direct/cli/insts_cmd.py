@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe(stream: Stream) -> dict:
-    """The stable JSON document of issue 2 item 7: header fields and ops with their spec field names."""
+    """The stable JSON document of `amdxdna insts --json`: header fields and ops with their field names
+    (docs/xrt-sequence.md 2.3)."""
     doc: dict = {"format": "txn"}
     for name in ("major", "minor", "dev_gen", "rows", "cols", "mem_tile_rows", "num_ops", "size_bytes", "pad"):
         doc[name] = getattr(stream, name)
@@ -54,8 +55,9 @@ def describe(stream: Stream) -> dict:
 
 
 def _op_json(op: Op) -> dict:
-    """An op's spec fields; a raw op (not decoded) adds its aie-rt ``name`` and ``size_bytes`` to its
-    ``opcode``, ``words``, ``reason`` and ``sized`` (False: the length is unknown, the words run to the end)."""
+    """An op's fields (docs/xrt-sequence.md 2.3); a raw op (not decoded) adds its aie-rt ``name`` and
+    ``size_bytes`` to its ``opcode``, ``words``, ``reason`` and ``sized`` (False: the length is unknown, the words
+    run to the end)."""
     out: dict = {"op": _OP_NAMES[type(op)]}
     for f in fields(op):
         value = getattr(op, f.name)
