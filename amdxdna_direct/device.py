@@ -413,18 +413,10 @@ class DeviceFile:
 
     def ioctl_buffer(self, request: int, buf, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
         """``ioctl`` on a raw writable buffer (same errors)."""
-        name = trace.describe_request(request)[0]
-        self.check_open(name, fields)
-        with self.lock:
-            self.stats[name] += 1
-        try:
-            if trace.enabled():
-                return trace.TRACER.call(self.name, request, buf, self.seam.ioctl)
-            return self.seam.ioctl(request, buf)
-        except OSError as exc:
-            raise self.error(name, fields, exc, hint) from exc
+        return self.ioctl_named(request, trace.describe_request(request)[0], buf, fields, hint)
 
-    def ioctl_named(self, request: int, name: str, buf, fields: Mapping[str, Any] | None = None) -> int:
+    def ioctl_named(self, request: int, name: str, buf, fields: Mapping[str, Any] | None = None,
+                    hint: str = "") -> int:
         """``ioctl_buffer`` for a request whose short ``name`` the caller already knows (the dispatch path:
         EXEC_CMD and the waits), without looking it up per call. Same errors."""
         if self.lost is not None or self.closed:
@@ -436,7 +428,7 @@ class DeviceFile:
                 return trace.TRACER.call(self.name, request, buf, self.seam.ioctl)
             return self.seam.ioctl(request, buf)
         except OSError as exc:
-            raise self.error(name, fields, exc) from exc
+            raise self.error(name, fields, exc, hint) from exc
 
     def confirm_lost(self, cause: BaseException) -> None:
         """Raise (and latch) ``DeviceLostError`` if the device is gone, else return: a DRM VERSION ioctl, which
