@@ -19,7 +19,7 @@ import numpy as np
 
 from amdxdna_direct import errors
 from amdxdna_direct.device import Device, open_device
-from sam3 import detr, neck, vit
+from sam3 import detr, hostmath, neck, vit
 from sam3.build import build_cached
 from sam3.bundle import Bundle
 from sam3.npu import DEFAULT_TIMEOUT, Npu, NpuError, Stage
@@ -38,12 +38,6 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     """max|got - want| / max|want| (0-safe)."""
     scale = float(np.abs(want).max()) if want.size else 0.0
     return float(np.abs(got - want).max()) / (scale if scale > 0 else 1.0)
-
-
-def cosine(got: np.ndarray, want: np.ndarray) -> float:
-    """Cosine similarity in float64 with a 1e-30 floor, as `sam3 check` computes it."""
-    a, b = np.asarray(got, np.float64).ravel(), np.asarray(want, np.float64).ravel()
-    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-30))
 
 
 def cache_dir() -> Path:
@@ -87,7 +81,7 @@ class Demo:
 
     def _check(self, st: Stage, kind: str, got: np.ndarray, want: np.ndarray) -> None:
         st.max_rel_err = rel_err(got, want)
-        st.extra["cosine"] = cosine(got, want)
+        st.extra["cosine"] = hostmath.cosine(got, want)
         st.extra["tolerance"] = TOLERANCE[kind]
         st.extra["bundle"] = self.label
         if not st.max_rel_err <= TOLERANCE[kind]:

@@ -177,9 +177,7 @@ class Vit:
         """Runs GEMM `io` (A set from `a` unless chained) and returns the first `rows` rows of C as float32."""
         if a is not None:
             io.set_a(a)
-            self.npu.run(io, self._w(weights))
-        else:
-            self.npu.run(io, self._w(weights))
+        self.npu.run(io, self._w(weights))
         return io.get_c_f32(rows)
 
     def prologue(self, pixels: np.ndarray) -> np.ndarray:
