@@ -193,9 +193,12 @@ class Sam3:
             ImageError: a missing, unreadable or corrupt image.
             NpuError: a kernel failed.
         """
+        return self._encode_image(image, prompt, self._key(image))
+
+    def _encode_image(self, image: Any, prompt: str | None,
+                      key: tuple[Any, ...]) -> tuple[ImageFeatures, Prompt | None]:
         timing = Timing()
         start = time.perf_counter()
-        key = self._key(image)
         rgb = self._load(image)
         pixels = preprocess.preprocess(rgb, self.params.image_size)
         timing.add("preprocess", time.perf_counter() - start)
@@ -237,10 +240,11 @@ class Sam3:
         npu_before = dict(self.npu.kernel_seconds)
         loads, evictions = self.npu.loads, self.npu.evictions
         encoded = None
-        if self._image is not None and self._image_key == self._key(image):
+        key = self._key(image)
+        if self._image is not None and self._image_key == key:
             features, timing = self._image, Timing()
         else:
-            features, encoded = self.encode_image(image, prompt)
+            features, encoded = self._encode_image(image, prompt, key)
             timing = features.timing
         if encoded is None:
             start = time.perf_counter()
