@@ -21,14 +21,15 @@ import os
 import sys
 import textwrap
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO, TypeAlias
 
 from .. import files
 from ..errors import Error
 
 __all__ = ["COMMANDS", "SUBCOMMANDS", "DEVICE_ENV", "SCHEMA", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED",
-           "StdoutClosed", "StdoutError", "add_device_option", "add_file_parser", "build_parser", "command_parser",
-           "device_spec", "dump_json", "fail", "guarded", "inspect_file", "main", "shown", "one_line", "version"]
+           "StdoutClosed", "StdoutError", "Subparsers", "add_device_option", "add_file_parser", "build_parser",
+           "command_parser", "device_spec", "dump_json", "fail", "guarded", "inspect_file", "main", "shown",
+           "one_line", "version"]
 
 # name -> (module of this package, the one-line summary `amdxdna --help` shows). The summary lives here so
 # that the top-level help needs no subcommand module.
@@ -44,6 +45,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("trace_cmd", "run a program with every ioctl traced, then summarise"),
 }
 SUBCOMMANDS = tuple(module for module, _summary in COMMANDS.values())
+# What each module's ``add_parser`` is given: the ``add_subparsers()`` object of the ``amdxdna`` parser. A string,
+# since argparse's class is only generic in its type stubs.
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 SCHEMA = 1  # the version of every --json document's layout (docs/cli.md "Conventions")
 EXIT_FAILURE = 1
@@ -201,7 +205,7 @@ class _GuardedStdout:
     """``sys.stdout`` while a command runs: its write errors become :class:`StdoutError` (:class:`StdoutClosed`
     for a closed pipe); everything else is the stream's."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
@@ -329,7 +333,7 @@ def fail(command: str, message: str, as_json: bool = False, code: int = EXIT_FAI
 # --------------------------------------------------------------------------------------------- parsers
 
 
-def add_file_parser(subparsers: Any, name: str, what: str, description: str) -> argparse.ArgumentParser:
+def add_file_parser(subparsers: Subparsers, name: str, what: str, description: str) -> argparse.ArgumentParser:
     """Register ``amdxdna NAME FILE [--json]`` for a file of kind ``what`` ("xclbin", "TXN stream")."""
     epilog = (f"exit codes:\n  0    the {what} was decoded and printed\n"
               f"  1    the file cannot be read or is not a valid {what} (message on stderr)\n  2    usage error")
@@ -342,7 +346,7 @@ def add_file_parser(subparsers: Any, name: str, what: str, description: str) -> 
 
 
 def inspect_file(name: str, args: argparse.Namespace, load: Callable[[str], Any], error: type[Exception],
-                 describe: Callable[[Any], dict], render: Callable[[Any], str]) -> int:
+                 describe: Callable[[Any], dict[str, Any]], render: Callable[[Any], str]) -> int:
     """Decode ``args.file`` with ``load`` and print ``describe`` as JSON (``--json``) or ``render``'s text.
 
     Returns 0, or 1 with ``amdxdna NAME: FILE: message`` on stderr (and the JSON error object with
@@ -373,7 +377,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def command_parser(subparsers: Any, name: str, description: str, epilog: str) -> argparse.ArgumentParser:
+def command_parser(subparsers: Subparsers, name: str, description: str, epilog: str) -> argparse.ArgumentParser:
     """A subcommand parser: its summary from :data:`COMMANDS`, ``description`` wrapped, ``epilog`` as is.
 
     Shared by the device commands (info, top, doctor, validate, configure, run, trace) so their help reads the

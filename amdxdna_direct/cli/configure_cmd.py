@@ -11,9 +11,9 @@ import argparse
 import errno
 
 from .. import open_device
-from ..device import POWER_MODE_NAMES
+from ..device import POWER_MODE_NAMES, Device
 from ..errors import XdnaError
-from . import add_device_option, command_parser, dump_json, fail
+from . import Subparsers, add_device_option, command_parser, dump_json, fail
 
 __all__ = ["PMODES", "add_parser", "run"]
 
@@ -34,7 +34,7 @@ exit codes:
   2    usage error (no --pmode or an unknown mode; unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``configure`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "configure",
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refusal(exc: XdnaError, pmode: str, dev) -> str:
+def _refusal(exc: XdnaError, pmode: str, dev: Device) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM):
         return (f"{exc}; SET_STATE needs CAP_SYS_ADMIN (the driver's DRM_ROOT_ONLY): run "
                 f"`sudo amdxdna configure --pmode {pmode}`")

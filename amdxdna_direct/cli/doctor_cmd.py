@@ -6,7 +6,7 @@ import argparse
 import os
 
 from .. import doctor
-from . import DEVICE_ENV, add_device_option, command_parser, device_spec, dump_json, fail
+from . import DEVICE_ENV, Subparsers, add_device_option, command_parser, device_spec, dump_json, fail
 
 __all__ = ["add_parser", "run", "format_results"]
 
@@ -37,7 +37,7 @@ exit codes:
 _MARK = {doctor.PASS: "pass", doctor.INFO: "info", doctor.WARN: "WARN", doctor.FAIL: "FAIL", doctor.SKIP: "skip"}
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``doctor`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "doctor",

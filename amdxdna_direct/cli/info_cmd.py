@@ -20,7 +20,7 @@ from typing import Any
 from .. import abi, doctor, open_device
 from ..device import Device, HwContextEntry, pci_generation
 from ..errors import XdnaError
-from . import add_device_option, command_parser, dump_json, fail, shown
+from . import Subparsers, add_device_option, command_parser, dump_json, fail, shown
 
 __all__ = ["collect", "context_dict", "query", "error_text", "clock_mhz", "format_info", "format_contexts",
            "sysfs_pci", "add_parser", "run", "PRIORITY_NAMES", "HEALTH_FIELDS"]
@@ -43,7 +43,7 @@ exit codes:
   2    usage error (bad option; unknown emulator profile in --device or $AMDXDNA_DEVICE)"""
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``info`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "info",

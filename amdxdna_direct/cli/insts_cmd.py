@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from typing import Any
 
 from ..insts import (
     DIRECTION_MM2S,
@@ -20,7 +21,7 @@ from ..insts import (
     layout,
     load,
 )
-from . import add_file_parser, inspect_file
+from . import Subparsers, add_file_parser, inspect_file
 
 __all__ = ["add_parser", "describe", "render", "run"]
 
@@ -30,7 +31,7 @@ _DIRECTIONS = {DIRECTION_S2MM: "S2MM", DIRECTION_MM2S: "MM2S"}
 _WORDS_PER_LINE = 8
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``insts`` on an ``argparse`` subparsers object."""
     return add_file_parser(
         subparsers, "insts", "TXN stream",
@@ -44,21 +45,21 @@ def run(args: argparse.Namespace) -> int:
     return inspect_file("insts", args, load, InstsError, describe, render)
 
 
-def describe(stream: Stream) -> dict:
+def describe(stream: Stream) -> dict[str, Any]:
     """The stable JSON document of `amdxdna insts --json`: header fields and ops with their field names
     (docs/xrt-sequence.md 2.3)."""
-    doc: dict = {"format": "txn"}
+    doc: dict[str, Any] = {"format": "txn"}
     for name in ("major", "minor", "dev_gen", "rows", "cols", "mem_tile_rows", "num_ops", "size_bytes", "pad"):
         doc[name] = getattr(stream, name)
     doc["ops"] = [_op_json(op) for op in stream.ops]
     return doc
 
 
-def _op_json(op: Op) -> dict:
+def _op_json(op: Op) -> dict[str, Any]:
     """An op's fields (docs/xrt-sequence.md 2.3); a raw op (not decoded) adds its aie-rt ``name`` and
     ``size_bytes`` to its ``opcode``, ``words``, ``reason`` and ``sized`` (False: the length is unknown, the words
     run to the end)."""
-    out: dict = {"op": _OP_NAMES[type(op)]}
+    out: dict[str, Any] = {"op": _OP_NAMES[type(op)]}
     for f in fields(op):
         value = getattr(op, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value

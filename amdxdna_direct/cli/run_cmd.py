@@ -30,7 +30,7 @@ from ..emu.models import Gemm, Passthrough
 from ..errors import Error, XdnaError, errno_text
 from ..kernel import Run, stream_extents
 from ..xclbin import Xclbin
-from . import add_device_option, command_parser, dump_json, fail, shown
+from . import Subparsers, add_device_option, command_parser, dump_json, fail, shown
 
 __all__ = ["BufferSpec", "parse_buffer", "parse_model", "assign_slots", "add_parser", "run"]
 
@@ -108,14 +108,16 @@ def assign_slots(specs: list[BufferSpec], patched: list[int]) -> dict[int, Buffe
             never see that buffer), more buffers than free patched slots, or a patched slot left without a buffer.
     """
     placed: dict[int, BufferSpec] = {}
-    for spec in (s for s in specs if s.slot is not None):
-        if spec.slot in placed:
-            raise UsageError(f"two buffers on slot {spec.slot}: {shown(placed[spec.slot].path)} and "
-                             f"{shown(spec.path)}")
-        if patched and spec.slot not in patched:
-            raise UsageError(f"--{spec.direction} {spec.slot}={shown(spec.path)}: the instruction stream patches "
+    for spec in specs:
+        slot = spec.slot
+        if slot is None:
+            continue
+        if slot in placed:
+            raise UsageError(f"two buffers on slot {slot}: {shown(placed[slot].path)} and {shown(spec.path)}")
+        if patched and slot not in patched:
+            raise UsageError(f"--{spec.direction} {slot}={shown(spec.path)}: the instruction stream patches "
                              f"slots {patched} only")
-        placed[spec.slot] = spec
+        placed[slot] = spec
     free = [s for s in (patched or range(len(specs))) if s not in placed]
     implicit = [s for s in specs if s.slot is None]
     if len(implicit) > len(free):
@@ -128,7 +130,7 @@ def assign_slots(specs: list[BufferSpec], patched: list[int]) -> dict[int, Buffe
     return dict(sorted(placed.items()))
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``run`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "run",
@@ -221,7 +223,7 @@ class _Job:
         out_sizes = _out_sizes(args.out_sizes, out_slots, like, dtype)
         return cls(xclbin, stream, args.kernel, slots, inputs, out_sizes, dtype, like, model)
 
-    def execute(self, device: str | None, repeat: int, timeout: float) -> dict:
+    def execute(self, device: str | None, repeat: int, timeout: float) -> dict[str, Any]:
         """Open the device, run, write the outputs; return the report.
 
         Raises:
@@ -258,13 +260,13 @@ class _Job:
         bo.sync()
         return bo
 
-    def _write_outputs(self, buffers: dict[int, Bo]) -> list[dict]:
+    def _write_outputs(self, buffers: dict[int, Bo]) -> list[dict[str, Any]]:
         """Save each output buffer as .npy, to exactly the path given (``np.save`` of a name would add ``.npy``).
 
         Raises:
             FileError: an output file cannot be written.
         """
-        written = []
+        written: list[dict[str, Any]] = []
         for slot, size in self.out_sizes.items():
             bo = buffers[slot]
             bo.sync()
@@ -365,7 +367,8 @@ def _dtype(name: str) -> np.dtype:
         UsageError: neither knows the name.
     """
     if hasattr(ml_dtypes, name):
-        return np.dtype(getattr(ml_dtypes, name))
+        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))  # getattr is untyped: say what np.dtype made
+        return found
     try:
         return np.dtype(name)
     except TypeError:
@@ -383,7 +386,12 @@ def _out_sizes(sizes: list[int], out_slots: list[int], like: np.ndarray | None, 
         raise UsageError(f"{len(sizes)} --out-size values for {len(out_slots)} --out files (give one, or one each)")
     if not sizes and out_slots and like is None:
         raise UsageError("--out needs --out-size when there is no --in to take the size from")
-    chosen = sizes * len(out_slots) if len(sizes) == 1 else sizes or [like.nbytes] * len(out_slots)
+    if len(sizes) == 1:
+        chosen = sizes * len(out_slots)
+    elif sizes or like is None:  # no sizes and no input: no --out either (checked above)
+        chosen = sizes
+    else:
+        chosen = [like.nbytes] * len(out_slots)
     for size in chosen:
         if size <= 0:
             raise UsageError(f"--out-size {size}: must be positive")
@@ -419,7 +427,7 @@ def _spread(times: list[float]) -> dict[str, float]:
     return {"min": min(times), "median": statistics.median(times), "max": max(times)}
 
 
-def _print_report(report: dict, as_json: bool) -> None:
+def _print_report(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(dump_json("run", report, indent=2))
         return

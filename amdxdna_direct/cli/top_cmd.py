@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from .. import open_device
 from ..device import Device
 from ..errors import XdnaError
-from . import add_device_option, command_parser, dump_json, fail, positive_int, shown
+from . import Subparsers, add_device_option, command_parser, dump_json, fail, positive_int, shown
 from .info_cmd import clock_mhz, context_dict, error_text, format_contexts, query
 
 __all__ = ["COUNTERS", "add_parser", "run", "snapshot", "rates", "format_snapshot", "snapshots"]
@@ -50,7 +50,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``top`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "top",

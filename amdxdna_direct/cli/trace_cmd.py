@@ -22,10 +22,10 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 from ..errors import errno_text, format_fields
-from . import DEVICE_ENV, StdoutError, add_device_option, command_parser, dump_json, fail, shown
+from . import DEVICE_ENV, StdoutError, Subparsers, add_device_option, command_parser, dump_json, fail, shown
 
 __all__ = ["TraceRecord", "parse_line", "parse_fields", "summarise", "format_summary", "add_parser", "run"]
 
@@ -117,7 +117,7 @@ def format_summary(table: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "trace",
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             return fail("trace", f"cannot start {shown(command[0])}: {_errno(exc)}", args.json)
         with _sigint_to_child():
-            records = _collect(child.stderr, sink)
+            records = _collect(cast(IO[bytes], child.stderr), sink)  # stderr=PIPE: Popen made the pipe
             status = child.wait()
         if sink.error is None:
             _report(out, command, status, records, args.json)

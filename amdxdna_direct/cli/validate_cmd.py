@@ -20,9 +20,10 @@ import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,8 +34,14 @@ from ..emu.models import Passthrough
 from ..errors import Error, XdnaError, errno_text
 from ..files import FileRefused
 from ..xclbin import Xclbin
-from . import add_device_option, command_parser, dump_json, fail, positive_int, shown
+from . import Subparsers, add_device_option, command_parser, dump_json, fail, positive_int, shown
 from .run_cmd import UsageError, parse_model
+
+if TYPE_CHECKING:
+    from ..bo import Bo
+    from ..emu.models import Gemm
+    from ..hwctx import HwContext
+    from ..kernel import Kernel, Run
 
 __all__ = ["Design", "DEFAULT_XRT", "find_bundle_designs", "find_xrt_designs", "read_ar", "validate_design",
            "add_parser", "run"]
@@ -65,7 +72,7 @@ exit codes:
        unknown emulator profile"""
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``validate`` on an ``argparse`` subparsers object."""
     parser = command_parser(
         subparsers, "validate",
@@ -171,7 +178,7 @@ def _designs(args: argparse.Namespace) -> tuple[list[Design], list[str]]:
     return designs, notes
 
 
-def _model(args: argparse.Namespace) -> Any:
+def _model(args: argparse.Namespace) -> Passthrough | Gemm | None:
     if args.model is None:
         return None
     if not is_emulated(args.device):
@@ -307,7 +314,7 @@ def validate_design(dev: Device, design: Design, runs: int, chain: int, repeat: 
     return {**report, "status": "fail" if check.startswith("failed") else "pass"}
 
 
-def _load(what: str, loader: Any, source: Any) -> Any:
+def _load(what: str, loader: Callable[[Any], Any], source: Any) -> Any:
     """Raises: ValueError: the file cannot be read or is malformed (the message names it)."""
     try:
         return loader(source)
@@ -339,7 +346,7 @@ def _measure(dev: Device, xclbin: Xclbin, design: Design, stream: insts.Stream, 
     return {"check": check, "latency": latency, "throughput": throughput}
 
 
-def _check_output(run: Any, bos: dict, extents: dict[int, int], src: int, dst: int, passthrough: bool) -> str:
+def _check_output(run: Run, bos: dict[int, Bo], extents: dict[int, int], src: int, dst: int, passthrough: bool) -> str:
     pattern = _pattern(extents[src])
     bos[src].write(pattern)
     bos[dst].write(bytes(extents[dst]))
@@ -364,7 +371,7 @@ def _spread(seconds: list[float]) -> dict[str, float]:
     return {"min": float(us.min()), "median": float(statistics.median(us)), "p99": float(np.percentile(us, 99))}
 
 
-def _latency(run: Any, runs: int) -> dict[str, Any]:
+def _latency(run: Run, runs: int) -> dict[str, Any]:
     host, device, total = [], [], []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -378,7 +385,8 @@ def _latency(run: Any, runs: int) -> dict[str, Any]:
     return {"runs": runs, "host_us": _spread(host), "device_us": _spread(device), "end_to_end_us": _spread(total)}
 
 
-def _throughput(ctx: Any, kernel: Any, stream: insts.Stream, slots: list, chain: int, repeat: int) -> dict[str, Any]:
+def _throughput(ctx: HwContext, kernel: Kernel, stream: insts.Stream, slots: list[Bo | None], chain: int,
+                repeat: int) -> dict[str, Any]:
     from ..kernel import RunList
 
     prepared = [kernel.prepare_npu(stream, slots) for _ in range(chain)]

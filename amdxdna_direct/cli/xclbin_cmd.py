@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import uuid as uuidlib
+from typing import Any
 
 from ..xclbin import IP_PS_KERNEL, IP_TYPES, MEM_TYPES, AiePartition, Kernel, Xclbin, XclbinError, parse
-from . import add_file_parser, inspect_file
+from . import Subparsers, add_file_parser, inspect_file
 
 __all__ = ["add_parser", "describe", "render", "run"]
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``xclbin`` on an ``argparse`` subparsers object."""
     return add_file_parser(
         subparsers, "xclbin", "xclbin",
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- JSON
 
 
-def describe(x: Xclbin) -> dict:
+def describe(x: Xclbin) -> dict[str, Any]:
     """The stable JSON document of issue 2 item 7 (uuids as 32 hex digits, section kinds by enum name)."""
     return {
         "uuid": x.uuid.hex(),
@@ -39,7 +40,7 @@ def describe(x: Xclbin) -> dict:
     }
 
 
-def _kernel_json(k: Kernel) -> dict:
+def _kernel_json(k: Kernel) -> dict[str, Any]:
     return {
         "name": k.name, "type": k.type, "dpu_kernel_id": k.dpu_kernel_id, "instances": list(k.instances),
         "args": [{"name": a.name, "index": a.index, "offset": a.offset, "size": a.size, "kind": a.kind}
@@ -47,7 +48,7 @@ def _kernel_json(k: Kernel) -> dict:
     }
 
 
-def _partition_json(p: AiePartition) -> dict:
+def _partition_json(p: AiePartition) -> dict[str, Any]:
     return {
         "column_width": p.column_width, "start_columns": list(p.start_columns), "ops_per_cycle": p.ops_per_cycle,
         "pdis": [{"uuid": pdi.uuid.hex(), "size": pdi.size, "sha256": pdi.sha256,
