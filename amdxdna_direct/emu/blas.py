@@ -18,7 +18,7 @@ import contextlib
 import ctypes
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 _SYMBOL_FORMS = (("", ""), ("", "64_"), ("scipy_", "64_"), ("scipy_", ""))   # (prefix, suffix) of OpenBLAS's names
@@ -40,8 +40,8 @@ class _Budget:
         self._running = 0
         self.enabled = True
         self._loaded = False
-        self._set = None
-        self._get = None
+        self._set: Callable[[int], None] | None = None      # openblas_set_num_threads, once found
+        self._get: Callable[[], int] | None = None          # openblas_get_num_threads, once found
         self._status = BlasStatus(None, None, None, "not looked up yet")
 
     def status(self) -> BlasStatus:
@@ -73,6 +73,8 @@ class _Budget:
             return None if self._get is None else self._get()
 
     def _apply(self) -> None:
+        if self._set is None:           # only a counted enter(), which found the setter, leads here
+            raise RuntimeError("BLAS budget: no openblas_set_num_threads to apply a thread count with")
         full = self._status.threads or 1
         self._set(full if self._running == 0 else max(1, full // (self._running + 1)))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import cast
 
 import numpy as np
 
@@ -32,7 +33,7 @@ LINE = 64                   # x86 cache line: the unit clflush works on
 # Ranges up to this size are first compared as bytes (a memcmp): several times cheaper than numpy's elementwise
 # compare on the small buffers of a small dispatch, which are nearly always equal (bench/bench_emulator.py).
 _BYTES_COMPARE = 64 << 10
-_VIEWS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()     # file_key -> DeviceView
+_VIEWS: weakref.WeakValueDictionary[tuple[int, int], DeviceView] = weakref.WeakValueDictionary()  # file_key -> view
 _VIEWS_LOCK = threading.Lock()
 
 
@@ -60,20 +61,22 @@ class DeviceView:
     def _per_line(self, mask: np.ndarray) -> np.ndarray:
         """Byte mask of whole lines (the last one maybe short) -> one bool per line: any byte set."""
         pad = (-len(mask)) % LINE
-        return np.concatenate([mask, np.zeros(pad, dtype=bool)]).reshape(-1, LINE).any(axis=1)
+        # numpy's stubs type any(axis=...) as scalar-or-array: over axis 1 of a 2-D array it is a 1-D array
+        return cast("np.ndarray", np.concatenate([mask, np.zeros(pad, dtype=bool)]).reshape(-1, LINE).any(axis=1))
 
     def _same(self, lo: int, hi: int) -> bool:
         """Whether the CPU pages and the device copy hold the same bytes in [lo, hi) (small ranges only: False
         for a large one, which the caller compares element by element)."""
         return hi - lo <= _BYTES_COMPARE and self.cpu[lo:hi].tobytes() == self.dev[lo:hi].tobytes()
 
-    def _dirty_bytes(self, lo: int, hi: int) -> np.ndarray | None:
-        """A byte mask of [lo, hi) covering device-written lines, or None when there are none."""
+    def _dirty_bytes(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A byte mask of [lo, hi) covering device-written lines and ``base`` (the CPU's bytes when the device wrote
+        them), or None when there are none."""
         first, last, start, _ = self._lines(lo, hi)
         lines = self.dirty[first:last]
-        if not _any(lines):
+        if self.base is None or not _any(lines):        # base is allocated with the first device-written line
             return None
-        return np.repeat(lines, LINE)[lo - start:hi - start]
+        return np.repeat(lines, LINE)[lo - start:hi - start], self.base
 
     def sync(self, lo: int, hi: int) -> None:
         """SYNC_BO over [lo, hi): per covering line, clflush writes back a line the CPU wrote since its last sync
@@ -81,9 +84,10 @@ class DeviceView:
         if hi <= lo:
             return
         first, last, start, end = self._lines(lo, hi)
-        mask = self._dirty_bytes(start, end)
-        if mask is not None:
-            cpu_wrote = self._per_line(self.cpu[start:end] != self.base[start:end])
+        dirty = self._dirty_bytes(start, end)
+        if dirty is not None:
+            mask, base = dirty
+            cpu_wrote = self._per_line(self.cpu[start:end] != base[start:end])
             take = mask & ~np.repeat(cpu_wrote, LINE)[:end - start]
             self.cpu[start:end][take] = self.dev[start:end][take]
             self.dirty[first:last] = False
@@ -91,10 +95,10 @@ class DeviceView:
 
     def stale(self, lo: int, hi: int) -> tuple[int, int] | None:
         """(first, end) of the bytes of [lo, hi) the CPU changed since their last sync, or None."""
-        mask = self._dirty_bytes(lo, hi)
-        if mask is None and self._same(lo, hi):
+        dirty = self._dirty_bytes(lo, hi)
+        if dirty is None and self._same(lo, hi):
             return None
-        reference = self.dev[lo:hi] if mask is None else np.where(mask, self.base[lo:hi], self.dev[lo:hi])
+        reference = self.dev[lo:hi] if dirty is None else np.where(dirty[0], dirty[1][lo:hi], self.dev[lo:hi])
         where = np.flatnonzero(self.cpu[lo:hi] != reference)
         if not where.size:
             return None

@@ -28,13 +28,19 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from . import blas, txn
-from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault
+from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault, Memory
 from .models import Model, ModelRegistry, model_name, stream_digest
+
+if TYPE_CHECKING:
+    from .driver import EmuDevice
+    from .objects import HwCtx, Job
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +89,7 @@ def in_firmware_thread() -> bool:
     return getattr(_thread_role, "firmware", False)
 
 
-def _firmware_thread(target, *args) -> None:
+def _firmware_thread(target: Callable[..., object], *args: object) -> None:
     _thread_role.firmware = True
     target(*args)
 
@@ -228,7 +234,8 @@ class _Engine:
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=_firmware_thread, args=(self._loop,), name=name, daemon=True)
         self.thread.start()
-        self._clock = time.pthread_getcpuclockid(self.thread.ident)
+        # start() returns once the thread runs, and a running thread has its ident (threading docs).
+        self._clock = time.pthread_getcpuclockid(cast(int, self.thread.ident))
 
     def cpu_time(self) -> float:
         return time.clock_gettime(self._clock)
@@ -256,12 +263,12 @@ class _Lane:
     """The execution state of one hardware context."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
-    jobs: deque = field(default_factory=deque)
-    running: object = None
+    jobs: deque[Job] = field(default_factory=deque)
+    running: Job | None = None
     task: _Task | None = None           # the model run of `running`, while the engine has it
     closing: bool = False
-    engine: _Engine | None = None
-    worker: threading.Thread | None = None
+    engine: _Engine = field(init=False)             # set by Firmware._start_lane, before the worker starts
+    worker: threading.Thread = field(init=False)    # set by Firmware._start_lane
 
 
 class Firmware:
@@ -270,7 +277,7 @@ class Firmware:
     `models` is the device's ModelRegistry; `inject` arms hang and error faults per stream.
     """
 
-    def __init__(self, device, *, tdr_timeout: float = 2.0):
+    def __init__(self, device: EmuDevice, *, tdr_timeout: float = 2.0):
         """Firmware of `device` (an EmuDevice) with a TDR of `tdr_timeout` seconds; lanes start on demand.
 
         Raises:
@@ -320,7 +327,7 @@ class Firmware:
 
     # -- driver-facing API -----------------------------------------------------------------------
 
-    def submit(self, job) -> None:
+    def submit(self, job: Job) -> None:
         """Queue a validated job on its context's lane; never blocks on execution."""
         with self._lock:
             lane = self._lanes.get(id(job.ctx))
@@ -336,7 +343,7 @@ class Firmware:
                 return
         self._end_async(job)
 
-    def destroy_context(self, ctx) -> None:
+    def destroy_context(self, ctx: HwCtx) -> None:
         """Wait up to 2 s for the context's last job, then end the rest ABORT; returns when none runs."""
         with self._lock:
             lane = self._lanes.pop(id(ctx), None)
@@ -361,7 +368,7 @@ class Firmware:
         """
         with self._lock:
             lanes = list(self._lanes.values())
-        queued = []
+        queued: list[Job] = []
         for lane in lanes:              # every lane stops taking jobs before any job ends
             with lane.cond:
                 lane.closing = True
@@ -383,7 +390,7 @@ class Firmware:
             cause = "its hardware context was destroyed"
         return f"aborted {when}: {cause}"
 
-    def _start_lane(self, ctx) -> _Lane:
+    def _start_lane(self, ctx: HwCtx) -> _Lane:
         lane = _Lane()
         name = f"emu-ctx{ctx.handle}"
         lane.engine = _Engine(f"{name}-engine", lane.cond)
@@ -402,7 +409,7 @@ class Firmware:
         lane.worker.join()
         lane.engine.retire()
 
-    def _end_async(self, job) -> None:
+    def _end_async(self, job: Job) -> None:
         # A job for a context already torn down: ABORT, off the submitting thread (it may hold driver locks).
         outcome = _Outcome(ERT_CMD_STATE_ABORT, reason=self._abort_reason("at submission"))
         threading.Thread(target=_firmware_thread, args=(self._end, job, outcome), daemon=True).start()
@@ -427,7 +434,7 @@ class Firmware:
                 lane.running = None
                 lane.cond.notify_all()
 
-    def _next_job(self, lane: _Lane):
+    def _next_job(self, lane: _Lane) -> Job | None:
         with lane.cond:
             while not lane.jobs and not lane.closing:
                 lane.cond.wait()
@@ -440,7 +447,7 @@ class Firmware:
             self._end(job, _Outcome(ERT_CMD_STATE_ABORT, reason=self._abort_reason("before it ran")))
         return None
 
-    def _restart(self, lane: _Lane) -> list:
+    def _restart(self, lane: _Lane) -> list[Job]:
         """After a TDR: a fresh engine, and the context's other in-flight jobs to ABORT (docs/uapi.md 6.7)."""
         with lane.cond:
             old, lane.engine = lane.engine, _Engine(lane.engine.thread.name, lane.cond)
@@ -449,7 +456,7 @@ class Firmware:
         old.retire()
         return aborted
 
-    def _execute(self, lane: _Lane, job) -> _Outcome:
+    def _execute(self, lane: _Lane, job: Job) -> _Outcome:
         _set_state(job.cmd_bo.mem, ERT_CMD_STATE_NEW)
         try:
             packet = read_packet(job.cmd_bo.mem)
@@ -466,7 +473,7 @@ class Firmware:
                 return _Outcome(state, index if chain else None, dispatches[0].bo, op_idx, reason)
         return _Outcome(ERT_CMD_STATE_COMPLETED)
 
-    def _end(self, job, outcome: _Outcome) -> None:
+    def _end(self, job: Job, outcome: _Outcome) -> None:
         """Write the outcome into the command BO(s) and complete the job (exactly once per job)."""
         try:
             if outcome.state != ERT_CMD_STATE_COMPLETED:
@@ -478,7 +485,7 @@ class Firmware:
         finally:
             job.complete()
 
-    def _report_failure(self, job, outcome: _Outcome) -> None:
+    def _report_failure(self, job: Job, outcome: _Outcome) -> None:
         if outcome.state == ERT_CMD_STATE_TIMEOUT:
             # The app-health report GET_ARRAY HW_CONTEXT_ALL reads back; the emulated firmware has no program
             # counter or exception codes to give.
@@ -492,7 +499,7 @@ class Firmware:
         if outcome.error_index is not None:
             struct.pack_into("<I", job.cmd_bo.mem, CHAIN_ERROR_INDEX, outcome.error_index)
 
-    def _fill_target(self, job) -> Bo | None:
+    def _fill_target(self, job: Job) -> Bo | None:
         """The BO whose payload a failure overwrites: a chain's first sub-command, else the command
         (docs/uapi.md 6.6)."""
         try:
@@ -505,7 +512,7 @@ class Firmware:
 
     # -- driver checks ---------------------------------------------------------------------------
 
-    def _dispatches(self, job, packet: Packet) -> list[Dispatch]:
+    def _dispatches(self, job: Job, packet: Packet) -> list[Dispatch]:
         if packet.opcode != ERT_CMD_CHAIN:
             return [self._dispatch(job.ctx, job.cmd_bo, packet)]
         dispatches: list[Dispatch] = []
@@ -522,7 +529,7 @@ class Firmware:
                                    f"the buffer has {MAX_CHAIN_CMDBUF_SIZE}")
         return dispatches
 
-    def _dispatch(self, ctx, bo: Bo, packet: Packet) -> Dispatch:
+    def _dispatch(self, ctx: HwCtx, bo: Bo, packet: Packet) -> Dispatch:
         if packet.opcode == ERT_START_CU:
             return self._start_cu(ctx, bo, packet)
         if packet.opcode == ERT_START_NPU:
@@ -533,14 +540,14 @@ class Firmware:
             raise MalformedCommand(f"opcode {packet.opcode} (preemptible ELF flow) is not modelled by the emulator")
         raise MalformedCommand(f"unsupported ERT opcode {packet.opcode}")
 
-    def _start_cu(self, ctx, bo: Bo, packet: Packet) -> Dispatch:
+    def _start_cu(self, ctx: HwCtx, bo: Bo, packet: Packet) -> Dispatch:
         cu = _configured_cu(ctx, packet.masks)
         slot = CHAIN_SLOT_CF + len(packet.payload)
         if slot > MAX_CHAIN_CMDBUF_SIZE:
             raise MalformedCommand(f"ERT_START_CU with {len(packet.payload) // 4} args does not fit the command list")
         return Dispatch(bo, ERT_START_CU, cu, packet.payload, slot)
 
-    def _start_npu(self, ctx, bo: Bo, packet: Packet) -> Dispatch:
+    def _start_npu(self, ctx: HwCtx, bo: Bo, packet: Packet) -> Dispatch:
         cu = _configured_cu(ctx, packet.masks)
         payload = packet.payload
         if len(payload) < START_NPU_PREAMBLE:
@@ -553,7 +560,7 @@ class Firmware:
         regmap = payload[START_NPU_PREAMBLE + 4 * prop_count:]
         return Dispatch(bo, ERT_START_NPU, cu, regmap, CHAIN_SLOT_NPU + 4 * args_words, instr, size)
 
-    def _cmd_bo(self, job, handle: int) -> Bo:
+    def _cmd_bo(self, job: Job, handle: int) -> Bo:
         # A chain names its sub-commands by handle, looked up when the job runs (docs/uapi.md 6.5), under the
         # driver's lock as the user may be closing handles meanwhile.
         with job.device.lock:
@@ -564,7 +571,7 @@ class Firmware:
 
     # -- firmware execution ----------------------------------------------------------------------
 
-    def _run_dispatch(self, lane: _Lane, job, dispatch: Dispatch) -> tuple[int, int, str | None]:
+    def _run_dispatch(self, lane: _Lane, job: Job, dispatch: Dispatch) -> tuple[int, int, str | None]:
         """Run one kernel start -> (state, txn_op_idx for the health record, the reason of a failure)."""
         try:
             work = self._prepare(job, dispatch)
@@ -592,12 +599,12 @@ class Firmware:
         return ERT_CMD_STATE_ERROR, 0xFFFFFFFF, self._model_failure(job, work, task.error)
 
     @staticmethod
-    def _failed(job, reason: str) -> tuple[int, int, str]:
+    def _failed(job: Job, reason: str) -> tuple[int, int, str]:
         logger.error("%s: %s", _job_name(job), reason)
         return ERT_CMD_STATE_ERROR, 0xFFFFFFFF, reason
 
     @staticmethod
-    def _model_failure(job, work: Work, error: BaseException) -> str:
+    def _model_failure(job: Job, work: Work, error: BaseException) -> str:
         """Log a model's failure; the reason names the model and its message."""
         name = model_name(work.model)
         if isinstance(error, DeviceFault):
@@ -607,7 +614,7 @@ class Firmware:
         logger.error("%s: model %s raised", _job_name(job), name, exc_info=error)
         return f"model {name} raised {type(error).__name__}: {error}"
 
-    def _prepare(self, job, dispatch: Dispatch) -> Work:
+    def _prepare(self, job: Job, dispatch: Dispatch) -> Work:
         """Read what the dispatch runs from device memory: PDI, instructions, argument extents (under the driver's
         lock, so no SYNC_BO interleaves with the reads).
 
@@ -627,12 +634,12 @@ class Firmware:
             _check_synced(bo, offset, txn.HEADER_WORDS * 4, "the instruction stream")
             # The firmware takes the stream's length from its TXN header; the command's count only has to cover
             # it (rule 52: ninstr in words, as the mlir-aie C++ harnesses pass it, or in bytes, as IRON does).
-            nbytes = txn.parse_header(_device_bytes(bo, offset, txn.HEADER_WORDS * 4)).size
+            nbytes = txn.parse_header(_device_bytes(bo, offset, txn.HEADER_WORDS * 4).data).size
             if claimed < nbytes:
                 raise FirmwareError(f"{what} is shorter than the TXN header's size of {nbytes} bytes")
             bo, offset = job.memory.resolve(instr, nbytes)
             _check_synced(bo, offset, nbytes, "the instruction stream")
-            stream = memoryview(_device_bytes(bo, offset, nbytes))  # hashed in place; copied when first walked
+            stream = _device_bytes(bo, offset, nbytes).data  # hashed in place; copied when first walked
             digest = stream_digest(stream)
             program = self._walk(digest, stream)
             extents = _patched_extents(job.memory, program, slots)
@@ -643,7 +650,7 @@ class Firmware:
         return Work(digest, program, args, self.models.lookup(digest), extents)
 
     @staticmethod
-    def _record_writes(job, work: Work) -> None:
+    def _record_writes(job: Job, work: Work) -> None:
         """After a model ran: the lines it wrote stay in device memory until a SYNC_BO over them (Memory
         coherence). A buffer the stream only writes (S2MM) counts as written whole, as its DMA covers it."""
         with job.device.lock:
@@ -718,18 +725,18 @@ def _runs_inline(work: Work, limit: int) -> bool:
             and sum(extent.length for extent in work.extents) <= limit)
 
 
-def _txn_dev_gen(device) -> int:
+def _txn_dev_gen(device: EmuDevice) -> int:
     gen = device.profile.txn_dev_gen
     if not isinstance(gen, int) or gen <= 0:
         raise ValueError(f"profile {device.profile.name!r} has no TXN device generation")
     return gen
 
 
-def _job_name(job) -> str:
+def _job_name(job: Job) -> str:
     return f"hwctx {job.ctx.handle} seq {job.seq}"
 
 
-def _configured_cu(ctx, masks: tuple[int, ...]) -> int:
+def _configured_cu(ctx: HwCtx, masks: tuple[int, ...]) -> int:
     cu = cu_index(masks)
     if cu >= len(ctx.cus):
         raise MalformedCommand(f"CU {cu} is not configured on this context ({len(ctx.cus)} CUs)")
@@ -759,6 +766,8 @@ def _regmap(dispatch: Dispatch) -> tuple[int, int, str, dict[int, int]]:
     """
     regmap = dispatch.regmap
     if dispatch.opcode == ERT_START_NPU:
+        if dispatch.instr is None or dispatch.instr_size is None:     # _start_npu sets both from the preamble
+            raise FirmwareError("ERT_START_NPU dispatch without its preamble's instruction address and size")
         instr, claimed = dispatch.instr, dispatch.instr_size
         if claimed == 0 or claimed % 4:
             raise FirmwareError(f"ERT_START_NPU instruction size {claimed} is not a positive multiple of 4")
@@ -778,7 +787,7 @@ def _regmap(dispatch: Dispatch) -> tuple[int, int, str, dict[int, int]]:
     return instr, claimed, what, slots
 
 
-def _patched_extents(memory, program: txn.TxnProgram, slots: dict[int, int]) -> list[Extent]:
+def _patched_extents(memory: Memory, program: txn.TxnProgram, slots: dict[int, int]) -> list[Extent]:
     """Per arg_idx, the union of its BD extents resolved to one BO (docs/design.md 2), and whether any BD reads it.
 
     Raises:

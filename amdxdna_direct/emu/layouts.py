@@ -8,7 +8,9 @@ so it must not share the binding's mistakes. Offsets and sizes are those of docs
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,15 +26,18 @@ class Layout:
         """sizeof(struct) in bytes."""
         return struct.calcsize(self.fmt)
 
-    def unpack(self, buf, offset: int = 0) -> dict[str, int]:
-        """Decode the struct at `offset` of `buf` into a field -> value dict."""
+    def unpack(self, buf: bytes | bytearray | memoryview, offset: int = 0) -> dict[str, Any]:
+        """Decode the struct at `offset` of `buf` into a field -> value dict.
+
+        A value is an ``int``, or ``bytes`` for an ``s`` code: which one depends on the format (as for ``struct``).
+        """
         return dict(zip(self.fields, struct.unpack_from(self.fmt, buf, offset), strict=True))
 
-    def pack(self, values: dict[str, int]) -> bytes:
+    def pack(self, values: Mapping[str, int | bytes]) -> bytes:
         """Encode `values` (missing fields are 0)."""
         return struct.pack(self.fmt, *(values.get(field, 0) for field in self.fields))
 
-    def pack_into(self, buf, offset: int, values: dict[str, int]) -> None:
+    def pack_into(self, buf: bytearray | memoryview, offset: int, values: Mapping[str, int | bytes]) -> None:
         """Encode `values` into `buf` at `offset`."""
         struct.pack_into(self.fmt, buf, offset, *(values.get(field, 0) for field in self.fields))
 

@@ -199,7 +199,8 @@ class HeapWindow:
         if self.memfd >= 0:
             os.close(self.memfd)
             self.memfd = -1
-        self._mapping = self.view = self.device = None
+            del self.view               # a closed window has no view (nothing reads it after the fd's release)
+        self._mapping = self.device = None
 
 
 class Memory:

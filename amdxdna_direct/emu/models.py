@@ -267,7 +267,7 @@ class Mha:
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """The tanh-form GELU of float32 `x` (a new array; `x` is left as it is)."""
     # The tanh approximation (docs/emulator.md, built-in models): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-    t = x * x
+    t: np.ndarray = x * x
     t *= x
     t *= np.float32(0.044715)
     t += x
@@ -281,7 +281,7 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 def _silu(x: np.ndarray) -> np.ndarray:
     # x / (1 + exp(-x))
-    t = np.negative(x)
+    t: np.ndarray = np.negative(x)
     np.exp(t, out=t)
     t += np.float32(1.0)
     np.divide(x, t, out=t)
@@ -336,7 +336,7 @@ class Elementwise:
         if self.fn == "add":
             xs[0] += xs[1]
             return xs[0]
-        if self.fn == "layernorm":
+        if self.fn == "layernorm" and self.n is not None:       # __init__ requires n for layernorm
             centred = xs[0].reshape(-1, self.n)
             centred -= centred.mean(axis=1, keepdims=True)
             var = np.square(centred).mean(axis=1, keepdims=True)

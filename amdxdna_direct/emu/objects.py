@@ -10,6 +10,7 @@ import collections
 import errno
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,7 +125,7 @@ class HwCtx:
     internal_bos: list[Bo] = field(default_factory=list)
     cus: list[tuple[Bo, int]] = field(default_factory=list)
     dbg_bos: list[Bo] = field(default_factory=list)
-    stats: collections.Counter = field(default_factory=collections.Counter)
+    stats: collections.Counter[str] = field(default_factory=collections.Counter)
     next_seq: int = 0
     jobs: dict[int, Job] = field(default_factory=dict)       # seq -> the jobs in flight (fences, BO references)
     destroyed: bool = False
@@ -206,7 +207,7 @@ class Client:
         self.users = 0
 
     @staticmethod
-    def lowest_free(table: dict) -> int:
+    def lowest_free(table: Mapping[int, object]) -> int:
         """idr_alloc(1, 0): the lowest free handle from 1 (GEM and syncobj handles)."""
         handle = 1
         while handle in table:

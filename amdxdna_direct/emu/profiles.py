@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -62,23 +62,22 @@ _AIE2_MEM = TileMetadata(row_count=1, row_start=1, dma_channel_count=12, lock_co
 _AIE2_SHIM = TileMetadata(row_count=1, row_start=0, dma_channel_count=4, lock_count=16, event_reg_count=128)
 
 
-def _npu(name: str, revision: int, **overrides) -> Profile:
-    base = dict(name=name, pci_device=0x17F0, pci_revision=revision, vbnv=f"RyzenAI-{name}", columns=8, first_col=0,
-                aligned_placement=True, hwctx_limit=16, txn_dev_gen=4, aie_version=(1, 1), aie_arch=(2, 1),
-                col_size=4096, core=_AIE2_CORE, mem=_AIE2_MEM, shim=_AIE2_SHIM,
-                dpm_clocks=((396, 792), (600, 1056), (792, 1152), (975, 1267), (975, 1267), (1056, 1408),
-                            (1152, 1584), (1267, 1800)),
-                firmware_version=(1, 0, 0, 63), tops_max=50)
-    base.update(overrides)
-    return Profile(**base)
+def _npu(name: str, revision: int) -> Profile:
+    """The NPU4-family defaults under `name`; ``dataclasses.replace`` derives a different NPU from it."""
+    return Profile(name=name, pci_device=0x17F0, pci_revision=revision, vbnv=f"RyzenAI-{name}", columns=8,
+                   first_col=0, aligned_placement=True, hwctx_limit=16, txn_dev_gen=4, aie_version=(1, 1),
+                   aie_arch=(2, 1), col_size=4096, core=_AIE2_CORE, mem=_AIE2_MEM, shim=_AIE2_SHIM,
+                   dpm_clocks=((396, 792), (600, 1056), (792, 1152), (975, 1267), (975, 1267), (1056, 1408),
+                               (1152, 1584), (1267, 1800)),
+                   firmware_version=(1, 0, 0, 63), tops_max=50)
 
 
 PROFILES: dict[str, Profile] = {
-    "npu1": _npu("npu1", 0x00, pci_device=0x1502, columns=5, first_col=1, aligned_placement=False, hwctx_limit=6,
-                 txn_dev_gen=3, aie_arch=(2, 0), dev_heap_max_size=64 << 20,
-                 dpm_clocks=((400, 800), (600, 1024), (600, 1024), (600, 1024), (600, 1024), (720, 1309),
-                             (720, 1309), (847, 1600)),
-                 firmware_version=(1, 5, 5, 391), tops_max=10),
+    "npu1": replace(_npu("npu1", 0x00), pci_device=0x1502, columns=5, first_col=1, aligned_placement=False,
+                    hwctx_limit=6, txn_dev_gen=3, aie_arch=(2, 0), dev_heap_max_size=64 << 20,
+                    dpm_clocks=((400, 800), (600, 1024), (600, 1024), (600, 1024), (600, 1024), (720, 1309),
+                                (720, 1309), (847, 1600)),
+                    firmware_version=(1, 5, 5, 391), tops_max=10),
     "npu4": _npu("npu4", 0x10),
     "npu5": _npu("npu5", 0x11),
     "npu6": _npu("npu6", 0x20),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Callable
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # The user copies hold the GIL (a PyDLL call does not release it): a copy of a few bytes of our own memory takes a
@@ -44,7 +45,7 @@ class UserFault(OSError):
         super().__init__(errno.EFAULT, f"{what}: cannot access {length} bytes at user address {addr:#x}: EFAULT")
 
 
-def _transfer(fn, what: str, local: int, remote: int, length: int) -> None:
+def _transfer(fn: Callable[..., int], what: str, local: int, remote: int, length: int) -> None:
     if length == 0:
         return
     if remote == 0:
