@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from . import coherence
 from .coherence import DeviceView
@@ -27,7 +29,12 @@ from .memory import (
     new_backing,
     page_align,
 )
-from .objects import Client, fail
+from .objects import Client, HwCtx, fail
+from .profiles import Profile
+
+if TYPE_CHECKING:
+    from .driver import Faults
+    from .firmware import Firmware
 
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (docs/uapi.md 4.4, 7)
 MAX_LFS_FILESIZE = (1 << 63) - 1    # shmem_file_setup refuses a larger (negative loff_t) size with EINVAL
@@ -36,21 +43,61 @@ SYNC_DIRECT_FROM_DEVICE = 1
 DRM_CLOEXEC, DRM_RDWR = os.O_CLOEXEC, os.O_RDWR
 
 
-class BoIoctls:
+class DeviceState:
+    """What the ioctl mixins of ``EmuDevice`` (``BoIoctls``, ``ContextIoctls``, ``SubmitIoctls``,
+    ``QueryIoctls``) use of the device and of each other, declared once for the type checker.
+
+    Annotations only: ``EmuDevice.__init__`` (driver.py) assigns the attributes, and the methods are those of
+    ``EmuDevice`` and ``BoIoctls``, which come before this class in ``EmuDevice``'s MRO.
+    """
+
+    profile: Profile
+    lock: threading.RLock
+    cond: threading.Condition
+    clients: list[Client]
+    lost: bool
+    closing: bool
+    live_bos: int
+    power_mode: int
+    preempt_state: dict[str, int]
+    last_async_error: dict[str, int]
+    next_map_offset: int
+    next_fw_id: int
+    exports: dict[tuple[int, int], Bo]
+    faults: Faults
+    firmware: Firmware
+
+    if TYPE_CHECKING:
+        @property
+        def contexts(self) -> list[HwCtx]: ...
+
+        def current_clocks(self) -> tuple[int, int]: ...
+
+        def hwctx_limit(self) -> int: ...
+
+        def unref_bo(self, bo: Bo) -> None: ...
+
+        def forget_failures(self, client: Client, hwctx: int | None = None) -> None: ...
+
+        def _new_dev_bo(self, client: Client, size: int, op: str, internal: bool = False) -> Bo | None: ...
+
+
+class BoIoctls(DeviceState):
     """CREATE_BO, GET_BO_INFO, SYNC_BO, GEM_CLOSE, PRIME_HANDLE_TO_FD and PRIME_FD_TO_HANDLE (rules B1-B8, D7).
 
     Mixed into ``EmuDevice`` (driver.py), whose ``lock``, ``cond``, ``profile``, ``firmware`` and reference
-    counting (``unref_bo``) its methods use; ``driver._driver_table`` names the handlers.
+    counting (``unref_bo``) its methods use (declared by ``DeviceState``); ``driver._driver_table`` names the
+    handlers.
     """
 
-    def _ioctl_gem_close(self, client: Client, a: dict) -> None:
+    def _ioctl_gem_close(self, client: Client, a: dict[str, int]) -> None:
         with self.lock:
             bo = client.bos.pop(a["handle"], None)
             if bo is None:
                 raise fail(errno.EINVAL, "GEM_CLOSE", f"handle={a['handle']} unknown")
             self.unref_bo(bo)
 
-    def _ioctl_prime_handle_to_fd(self, client: Client, a: dict) -> None:
+    def _ioctl_prime_handle_to_fd(self, client: Client, a: dict[str, int]) -> None:
         op = f"PRIME_HANDLE_TO_FD(handle={a['handle']})"
         if a["flags"] & ~(DRM_CLOEXEC | DRM_RDWR):
             raise fail(errno.EINVAL, op, f"flags={a['flags']:#x}")
@@ -67,12 +114,13 @@ class BoIoctls:
             try:
                 fd = os.dup(bo.memfd)
             except OSError as exc:      # dma_buf_fd: get_unused_fd_flags fails with EMFILE/ENFILE
-                raise fail(exc.errno, op, "no free file descriptor for the dma-buf") from exc
+                # os.dup raises from errno (posix_error): the OSError always carries one.
+                raise fail(cast(int, exc.errno), op, "no free file descriptor for the dma-buf") from exc
             os.set_inheritable(fd, not a["flags"] & DRM_CLOEXEC)
             self.exports[bo.file_key] = bo
             a["fd"] = fd
 
-    def _ioctl_prime_fd_to_handle(self, client: Client, a: dict) -> None:
+    def _ioctl_prime_fd_to_handle(self, client: Client, a: dict[str, int]) -> None:
         """drm_gem_prime_fd_to_handle: this fd's handle of the dma-buf if it has one; else the exporting GEM object
         itself when this device exported it (a new handle on it); else a new BO over the dma-buf's pages."""
         op = f"PRIME_FD_TO_HANDLE(fd={a['fd']})"
@@ -111,13 +159,14 @@ class BoIoctls:
 
     # --- BO ioctls (docs/uapi.md 4.4-4.6, 7) ---
 
-    def _ioctl_create_bo(self, client: Client, a: dict) -> None:
+    def _ioctl_create_bo(self, client: Client, a: dict[str, int]) -> None:
         kind, size = a["type"], a["size"]
         op = f"CREATE_BO(type={kind}, size={size:#x})"
         if a["flags"]:
             raise fail(errno.EINVAL, op, "flags must be 0")
-        makers: dict[int, Callable] = {AMDXDNA_BO_SHMEM: self._create_shmem, AMDXDNA_BO_DEV_HEAP: self._create_heap,
-                                       AMDXDNA_BO_DEV: self._create_dev, AMDXDNA_BO_CMD: self._create_cmd}
+        makers: dict[int, Callable[[Client, dict[str, int], str], Bo]] = {
+            AMDXDNA_BO_SHMEM: self._create_shmem, AMDXDNA_BO_DEV_HEAP: self._create_heap,
+            AMDXDNA_BO_DEV: self._create_dev, AMDXDNA_BO_CMD: self._create_cmd}
         maker = makers.get(kind)
         if maker is None:
             raise fail(errno.EINVAL, op, "unknown BO type")
@@ -144,19 +193,19 @@ class BoIoctls:
         self.live_bos += 1
         return bo
 
-    def _create_shmem(self, client: Client, a: dict, op: str) -> Bo:
+    def _create_shmem(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if a["vaddr"]:
             raise fail(errno.EOPNOTSUPP, op, "user-pointer / dma-buf BOs (va_tbl) are not modelled")
         if a["size"] == 0:
             raise fail(errno.EINVAL, op, "size 0 (emulator choice; the driver leaves it unchecked)")
         return self._backed_bo(AMDXDNA_BO_SHMEM, page_align(a["size"]), op)
 
-    def _create_cmd(self, client: Client, a: dict, op: str) -> Bo:
+    def _create_cmd(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if a["size"] < 4:
             raise fail(errno.EINVAL, op, "CMD BO smaller than its 4-byte header")
         return self._backed_bo(AMDXDNA_BO_CMD, page_align(a["size"]), op)
 
-    def _create_heap(self, client: Client, a: dict, op: str) -> Bo:
+    def _create_heap(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if self.profile.expandable_heap:
             return self._add_heap_chunk(client, a["size"], op)
         size = a["size"]
@@ -201,11 +250,14 @@ class BoIoctls:
         if self.profile.expandable_heap:
             return self._new_window_dev_bo(client, size, op, internal)
         memory = client.memory
+        heap = memory.heap
+        if heap is None:        # the callers refuse a heapless fd first (CREATE_HWCTX ENOENT, CREATE_BO EINVAL)
+            raise fail(errno.EINVAL, op, "no DEV_HEAP on this fd")
         size = page_align(size)
-        offset = memory.allocator.alloc(size)
+        offset = heap_allocator(memory).alloc(size)
         if offset is None:
             return None
-        return self._place_dev_bo(memory, offset, size, [memory.heap], internal)
+        return self._place_dev_bo(memory, offset, size, [heap], internal)
 
     def _new_window_dev_bo(self, client: Client, size: int, op: str, internal: bool) -> Bo:
         # Expandable heap (docs/uapi.md 4.4 staging): place in the whole window first (drm_mm), then find the chunks
@@ -214,13 +266,14 @@ class BoIoctls:
         size = page_align(size)
         if size == 0 or size > max_size:
             raise fail(errno.EINVAL, op, f"size must be 1..{max_size:#x} (dev_heap_max_size)")
-        offset = memory.allocator.alloc(size)
+        allocator = heap_allocator(memory)
+        offset = allocator.alloc(size)
         if offset is None:
             raise fail(errno.ENOSPC, op, f"no free range of {size:#x} in the {max_size:#x} heap window")
         try:
             chunks = self._chunks_under(memory, offset, size, op)
         except OSError:
-            memory.allocator.free(offset)
+            allocator.free(offset)
             raise
         return self._place_dev_bo(memory, offset, size, chunks, internal)
 
@@ -228,9 +281,9 @@ class BoIoctls:
         """The DEV BO at heap-window `offset` (already allocated), over `chunks`: it holds every chunk it spans."""
         for chunk in chunks:
             chunk.refs += 1
-        first = chunks[0]
-        pages = memory.heap.mem if memory.window is None else memory.window.view
-        device = memory.heap.view if memory.window is None else memory.window.device
+        first = chunks[0]       # without a window (one heap per fd), the heap itself
+        pages = first.mem if memory.window is None else memory.window.view
+        device = first.view if memory.window is None else memory.window.device
         bo = Bo(handle=0, kind=AMDXDNA_BO_DEV, size=size, mem=pages[offset:offset + size], heap=first,
                 more_heaps=tuple(chunks[1:]), heap_offset=offset, xdna_addr=AIE2_DEVM_BASE + offset,
                 vaddr=first.vaddr + offset - (first.xdna_addr - AIE2_DEVM_BASE), internal=internal, fd_memory=memory,
@@ -263,9 +316,9 @@ class BoIoctls:
                 return chunks
         raise fail(errno.EAGAIN, op, f"heap ({memory.heap_size:#x} bytes) ends before {offset + size:#x}")
 
-    def _create_dev(self, client: Client, a: dict, op: str) -> Bo:
+    def _create_dev(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if self.profile.expandable_heap:
-            return self._new_dev_bo(client, a["size"], op)
+            return self._new_window_dev_bo(client, a["size"], op, internal=False)
         heap = client.memory.heap
         if heap is None:
             raise fail(errno.EINVAL, op, "no DEV_HEAP on this fd")
@@ -278,7 +331,7 @@ class BoIoctls:
             raise fail(errno.ENOSPC, op, "no free heap range")
         return bo
 
-    def _ioctl_get_bo_info(self, client: Client, a: dict) -> None:
+    def _ioctl_get_bo_info(self, client: Client, a: dict[str, int]) -> None:
         op = f"GET_BO_INFO(handle={a['handle']})"
         if a["ext"] or a["ext_flags"] or a["pad"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags/pad must be 0")
@@ -288,7 +341,7 @@ class BoIoctls:
                 raise fail(errno.ENOENT, op, "unknown handle")
             a.update(map_offset=bo.map_offset, vaddr=bo.vaddr, xdna_addr=bo.xdna_addr)
 
-    def _ioctl_sync_bo(self, client: Client, a: dict) -> None:
+    def _ioctl_sync_bo(self, client: Client, a: dict[str, int]) -> None:
         op = f"SYNC_BO(handle={a['handle']}, direction={a['direction']})"
         with self.lock:
             bo = client.bos.get(a["handle"])
@@ -303,3 +356,13 @@ class BoIoctls:
                 if bo.dbg_ctx is None:
                     raise fail(errno.EINVAL, op, "FROM_DEVICE on a BO that is not an assigned debug buffer")
 
+
+def heap_allocator(memory: Memory) -> HeapAllocator:
+    """The allocator of an fd's heap window: made with its DEV_HEAP, or at open for an expandable heap.
+
+    Raises:
+        RuntimeError: the fd has none, yet a DEV BO is being placed or freed in its heap (an emulator bug).
+    """
+    if memory.allocator is None:
+        raise RuntimeError("a DEV BO placed or freed in the heap of an fd that has no heap allocator")
+    return memory.allocator

@@ -8,7 +8,7 @@ import logging
 
 from . import layouts as L
 from . import usermem
-from .buffers import DEV_HEAP_CHUNK
+from .buffers import DEV_HEAP_CHUNK, DeviceState
 from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, Bo
 from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
 
@@ -24,14 +24,15 @@ QOS_PRIORITY_HIGH = 0x180
 FW_MSG_CREATE_CONTEXT = 0x2         # firmware mailbox opcode named in the failure log (docs/uapi.md 4.1 step 8)
 
 
-class ContextIoctls:
+class ContextIoctls(DeviceState):
     """CREATE_HWCTX, DESTROY_HWCTX and CONFIG_HWCTX (rules H1-H14).
 
     Mixed into ``EmuDevice`` (driver.py), whose ``lock``, ``cond``, ``profile``, ``firmware`` and reference
-    counting (``unref_bo``) its methods use; ``driver._driver_table`` names the handlers.
+    counting (``unref_bo``) its methods use (declared by ``DeviceState``); ``driver._driver_table`` names the
+    handlers.
     """
 
-    def _ioctl_create_hwctx(self, client: Client, a: dict) -> None:
+    def _ioctl_create_hwctx(self, client: Client, a: dict[str, int]) -> None:
         op = f"CREATE_HWCTX(num_tiles={a['num_tiles']})"
         if a["ext"] or a["ext_flags"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags must be 0")
@@ -82,7 +83,7 @@ class ContextIoctls:
             raise
         return bos
 
-    def _admit(self, client: Client, a: dict, qos: dict, op: str) -> HwCtx:
+    def _admit(self, client: Client, a: dict[str, int], qos: dict[str, int], op: str) -> HwCtx:
         num_tiles = a["num_tiles"]
         if num_tiles == 0:
             raise fail(errno.EINVAL, op, "Number of tiles is zero")
@@ -112,7 +113,7 @@ class ContextIoctls:
                      fd=client, priority=map_priority(qos["priority"]), qos=qos, fw_id=self.next_fw_id,
                      pid=client.pid)
 
-    def _check_qos(self, qos: dict, max_opc: int, op: str) -> None:
+    def _check_qos(self, qos: dict[str, int], max_opc: int, op: str) -> None:
         # QoS solver (<= 7.0, docs/uapi.md 4.1 step 7): needed GOPS must fit max_opc at the top H-clock.
         if qos["gops"] == 0:
             return
@@ -143,7 +144,7 @@ class ContextIoctls:
                 return ctx.start_col
         raise fail(errno.ENODEV, op, f"no free range of {num_col} columns and no partition to share")
 
-    def _ioctl_destroy_hwctx(self, client: Client, a: dict) -> None:
+    def _ioctl_destroy_hwctx(self, client: Client, a: dict[str, int]) -> None:
         op = f"DESTROY_HWCTX(handle={a['handle']})"
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")
@@ -172,7 +173,7 @@ class ContextIoctls:
             ctx.internal_bos, ctx.cus, ctx.dbg_bos = [], [], []
             self.cond.notify_all()
 
-    def _ioctl_config_hwctx(self, client: Client, a: dict) -> None:
+    def _ioctl_config_hwctx(self, client: Client, a: dict[str, int]) -> None:
         op = f"CONFIG_HWCTX(handle={a['handle']}, param_type={a['param_type']})"
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")

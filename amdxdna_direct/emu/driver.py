@@ -25,17 +25,25 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
 
 from . import layouts as L
 from . import usermem
-from .buffers import DEV_HEAP_CHUNK, BoIoctls
+from .buffers import DEV_HEAP_CHUNK, BoIoctls, heap_allocator
 from .contexts import ContextIoctls
 from .firmware import Firmware, in_firmware_thread
 from .memory import AMDXDNA_INVALID_ADDR, PAGE_SIZE, Bo, page_align, release_backing
-from .objects import Client, HwCtx, fail
+from .objects import Client, HwCtx, Job, fail
 from .profiles import DEFAULT_PROFILE, PROFILES, Profile
 from .queries import POWER_MODE_DEFAULT, POWER_MODE_HIGH, POWER_MODE_TURBO, QueryIoctls
 from .submit import WAIT_SLICE_S, SubmitIoctls
+
+if TYPE_CHECKING:
+    class Buffer(Protocol):
+        """Any object with the buffer protocol (``collections.abc.Buffer`` from Python 3.12; the emulator imports
+        nothing beyond the standard library, numpy and ml_dtypes, not even typing_extensions)."""
+
+        def __buffer__(self, flags: int, /) -> memoryview: ...
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +72,7 @@ class Counters:
 
     def __init__(self, device: EmuDevice):
         self._device = device
-        self.ioctls: collections.Counter = collections.Counter()
+        self.ioctls: collections.Counter[str] = collections.Counter()
 
     def live(self) -> dict[str, int]:
         """Live BOs (backing not yet released), contexts, syncobjs and user mappings."""
@@ -109,7 +117,7 @@ class Faults:
             raise ValueError(f"cap_contexts: the context limit must be an int >= 0, got {n!r}")
         self.context_cap = n
 
-    def hang(self, stream, count: int = 1) -> None:
+    def hang(self, stream: bytes | str, count: int = 1) -> None:
         """The next `count` runs of the stream (its bytes or sha256 hex) hang: the TDR ends them TIMEOUT.
 
         Raises:
@@ -117,7 +125,7 @@ class Faults:
         """
         self._device.firmware.inject("hang", stream, count)
 
-    def error(self, stream, count: int = 1) -> None:
+    def error(self, stream: bytes | str, count: int = 1) -> None:
         """The next `count` runs of the stream (its bytes or sha256 hex) end with a firmware ERROR.
 
         Raises:
@@ -216,7 +224,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
     """One emulated PCI NPU with the amdxdna driver bound (docs/design.md section 2)."""
 
     def __init__(self, profile: str | Profile = DEFAULT_PROFILE, *, tdr_timeout: float = 2.0,
-                 cap_sys_admin: bool | None = None, **options):
+                 cap_sys_admin: bool | None = None, **options: Any):
         """Bring up the device: driver state, then the firmware worker.
 
         Args:
@@ -235,6 +243,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         if not isinstance(profile, Profile) and profile not in PROFILES:
             raise KeyError(f"unknown emulator profile {profile!r} (profiles: {', '.join(PROFILES)})")
         base = profile if isinstance(profile, Profile) else PROFILES[profile]
+        # `options` are Any: each has its own Profile field's type (dataclasses.replace refuses an unknown name).
         self.profile = dataclasses.replace(base, **options) if options else base
         max_size = self.profile.dev_heap_max_size
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size <= 0 or max_size % DEV_HEAP_CHUNK:
@@ -291,7 +300,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
                     return failure.reason
         return None
 
-    def record_failure(self, job, state: int, reason: str) -> None:
+    def record_failure(self, job: Job, state: int, reason: str) -> None:
         """Keep the reason of a failed job (the firmware calls this before the job completes)."""
         with self.lock:
             self.failures.append(Failure(job.ctx.fd, job.ctx.handle, job.seq, state, reason))
@@ -342,7 +351,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
     def __enter__(self) -> EmuDevice:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -365,9 +374,11 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
     def may_block(self) -> bool:
         """Whether the calling thread may wait for jobs: not a firmware thread, not inside the driver's lock
         (a finalizer's munmap run by the garbage collector there would wait for what its thread holds up)."""
-        return not in_firmware_thread() and not self.lock._is_owned()
+        # _is_owned is CPython's own (the C RLock has it, threading.Condition relies on it) but private, so
+        # typeshed leaves it out of RLock.
+        return not in_firmware_thread() and not self.lock._is_owned()  # type: ignore[attr-defined]
 
-    def mm_locked(self):
+    def mm_locked(self) -> contextlib.AbstractContextManager[object]:
         """The mm lock (mmap, munmap, the fd release's unmapping), or no lock where waiting is not allowed."""
         return self.mm_lock if self.may_block() else contextlib.nullcontext()
 
@@ -396,7 +407,9 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             self.live_bos -= 1
             if bo.heap is not None:
                 memory = bo.fd_memory
-                memory.allocator.free(bo.heap_offset)
+                if memory is None:      # every DEV BO gets its fd's Memory where it is placed (BoIoctls._place_dev_bo)
+                    raise RuntimeError(f"DEV BO at heap offset {bo.heap_offset:#x} has no fd memory (an emulator bug)")
+                heap_allocator(memory).free(bo.heap_offset)
                 memory.remove_dev_bo(bo.heap_offset)
                 bo.released = True
                 for heap in (bo.heap, *bo.more_heaps):
@@ -408,7 +421,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
 
     # --- ioctl dispatch (docs/uapi.md 4.0) ---
 
-    def ioctl(self, client: Client, request: int, buf) -> int:
+    def ioctl(self, client: Client, request: int, buf: Buffer) -> int:
         """Dispatch one raw ioctl like drm_ioctl(); returns 0.
 
         Raises:
@@ -427,7 +440,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         finally:
             self._put_client(client)
 
-    def _dispatch(self, client: Client, entry: IoctlDef | None, op: str, request: int, buf) -> int:
+    def _dispatch(self, client: Client, entry: IoctlDef | None, op: str, request: int, buf: Buffer) -> int:
         if self.lost:
             raise fail(errno.ENODEV, op, "device lost (drm_dev_is_unplugged)")
         if entry is None:
@@ -453,7 +466,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         return 0
 
     @staticmethod
-    def _copy_in(entry: IoctlDef, user_dir: int, user_size: int, buf) -> tuple[bytearray, memoryview, int]:
+    def _copy_in(entry: IoctlDef, user_dir: int, user_size: int, buf: Buffer) -> tuple[bytearray, memoryview, int]:
         """The kernel copy of the argument: (kdata, the caller's bytes, bytes to copy back).
 
         Raises:
@@ -544,7 +557,7 @@ class EmuSeam:
         self.client = client
         self.name = f"emu:{device.profile.name}"
 
-    def ioctl(self, request: int, buf) -> int:
+    def ioctl(self, request: int, buf: Buffer) -> int:
         """Run a raw ioctl on this fd; results are written into `buf`.
 
         Raises:
@@ -675,14 +688,14 @@ class EmuSeam:
     def __enter__(self) -> EmuSeam:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 _MAP_NORESERVE = 0x4000
 
 
-def _ints(op: str, **values) -> list[int]:
+def _ints(op: str, **values: SupportsIndex) -> list[int]:
     """The seam's address and size arguments as Python ints (numpy integers included; libc takes only ints).
 
     Raises:

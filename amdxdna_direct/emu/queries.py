@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from . import layouts as L
 from . import usermem
+from .buffers import DeviceState
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, AMDXDNA_BO_DEV_HEAP
 from .objects import Client, HwCtx, fail
 
@@ -26,14 +27,15 @@ TELEMETRY_TYPES = 4                 # emulator choice: telemetry types the firmw
 ASYNC_ERROR_SIZE = L.async_error.size
 
 
-class QueryIoctls:
+class QueryIoctls(DeviceState):
     """VERSION, GET_CAP, GET_INFO, GET_ARRAY and SET_STATE (rules D4, D6, I1-I6).
 
     Mixed into ``EmuDevice`` (driver.py), whose ``lock``, ``cond``, ``profile``, ``firmware`` and reference
-    counting (``unref_bo``) its methods use; ``driver._driver_table`` names the handlers.
+    counting (``unref_bo``) its methods use (declared by ``DeviceState``); ``driver._driver_table`` names the
+    handlers.
     """
 
-    def _ioctl_version(self, client: Client, a: dict) -> None:
+    def _ioctl_version(self, client: Client, a: dict[str, int]) -> None:
         a.update(version_major=0, version_minor=self.profile.drm_minor, version_patchlevel=0)
         for key, value in (("name", DRIVER_NAME), ("date", DRIVER_DATE), ("desc", DRIVER_DESC)):
             data = value.encode()
@@ -42,7 +44,7 @@ class QueryIoctls:
                 usermem.write(a[key], data[:length], f"VERSION({key})")
             a[key + "_len"] = len(data)
 
-    def _ioctl_get_cap(self, client: Client, a: dict) -> None:
+    def _ioctl_get_cap(self, client: Client, a: dict[str, int]) -> None:
         values = {DRM_CAP_SYNCOBJ: 1, DRM_CAP_SYNCOBJ_TIMELINE: 1, DRM_CAP_PRIME: DRM_PRIME_CAP_IMPORT_EXPORT}
         if a["capability"] not in values:
             raise fail(errno.EINVAL, "GET_CAP", f"capability={a['capability']:#x} not modelled")
@@ -50,7 +52,7 @@ class QueryIoctls:
 
     # --- GET_INFO (docs/uapi.md 4.8, 10) ---
 
-    def _param_handler(self, table: dict[int, tuple], param: int, op: str) -> Callable:
+    def _param_handler(self, table: dict[int, _ParamEntry], param: int, op: str) -> Callable[..., None]:
         """The handler of a GET_INFO / GET_ARRAY / SET_STATE param at this feature level (docs/uapi.md 10, 11).
 
         Raises:
@@ -59,19 +61,21 @@ class QueryIoctls:
         entry = table.get(param)
         if entry is None or self.profile.drm_minor < entry[1]:
             raise fail(errno.EOPNOTSUPP, op, f"Not supported request parameter (DRM minor {self.profile.drm_minor})")
-        return functools.partial(getattr(self, entry[0]), *entry[2:])
+        # The handlers' arguments differ by table (GET_ARRAY's take the client first).
+        handler: Callable[..., None] = getattr(self, entry[0])
+        return functools.partial(handler, *entry[2:])
 
-    def _ioctl_get_info(self, client: Client, a: dict) -> None:
+    def _ioctl_get_info(self, client: Client, a: dict[str, int]) -> None:
         op = f"GET_INFO(param={a['param']})"
         handler = self._param_handler(_GET_INFO, a["param"], op)
         with self.lock:
             handler(a, op)
 
-    def _copy_result(self, a: dict, data: bytes, op: str) -> None:
+    def _copy_result(self, a: dict[str, int], data: bytes, op: str) -> None:
         # <= 7.0 copies fixed-size results whole, whatever buffer_size says (docs/uapi.md 4.8, rule I1).
         usermem.write(a["buffer"], data, op + " buffer")
 
-    def _info_aie_status(self, a: dict, op: str) -> None:
+    def _info_aie_status(self, a: dict[str, int], op: str) -> None:
         status = L.query_aie_status.unpack(usermem.read(a["buffer"], L.query_aie_status.size, op))
         prof = self.profile
         if status["buffer_size"] > prof.columns * prof.col_size:
@@ -84,7 +88,7 @@ class QueryIoctls:
         status["cols_filled"] = sum(1 << c for c in cols)
         usermem.write(a["buffer"], L.query_aie_status.pack(status), op)
 
-    def _info_aie_metadata(self, a: dict, op: str) -> None:
+    def _info_aie_metadata(self, a: dict[str, int], op: str) -> None:
         prof = self.profile
         values = {"col_size": prof.col_size, "cols": prof.columns, "rows": prof.rows,
                   "version_major": prof.aie_arch[0], "version_minor": prof.aie_arch[1]}
@@ -92,20 +96,20 @@ class QueryIoctls:
             values.update({f"{kind}_{k}": v for k, v in dataclasses.asdict(getattr(prof, kind)).items()})
         self._copy_result(a, L.query_aie_metadata.pack(values), op)
 
-    def _info_aie_version(self, a: dict, op: str) -> None:
+    def _info_aie_version(self, a: dict[str, int], op: str) -> None:
         major, minor = self.profile.aie_version
         self._copy_result(a, L.query_aie_version.pack({"major": major, "minor": minor}), op)
 
-    def _info_clock_metadata(self, a: dict, op: str) -> None:
+    def _info_clock_metadata(self, a: dict[str, int], op: str) -> None:
         mp_npu, h_clock = self.current_clocks()
         self._copy_result(a, L.query_clock_metadata.pack({
             "mp_npu_name": b"MP-NPU Clock", "mp_npu_freq_mhz": mp_npu, "h_name": b"H Clock", "h_freq_mhz": h_clock}),
             op)
 
-    def _info_sensors(self, a: dict, op: str) -> None:
+    def _info_sensors(self, a: dict[str, int], op: str) -> None:
         raise fail(errno.EOPNOTSUPP, op, "no sensors on AIE2 (7.0; PMF unavailable)")
 
-    def _info_hw_contexts(self, a: dict, op: str) -> None:
+    def _info_hw_contexts(self, a: dict[str, int], op: str) -> None:
         entries = b"".join(L.query_hwctx.pack({
             "context_id": ctx.handle, "start_col": ctx.start_col, "num_col": ctx.num_col, "pid": ctx.pid,
             "command_submissions": ctx.stats["submissions"], "command_completions": ctx.stats["completions"],
@@ -116,15 +120,15 @@ class QueryIoctls:
         # Since 6.18 the returned size is what is left of the input (docs/uapi.md 10 quirk); before, bytes written.
         a["buffer_size"] = a["buffer_size"] - len(entries) if self.profile.drm_minor >= 1 else len(entries)
 
-    def _info_firmware_version(self, a: dict, op: str) -> None:
+    def _info_firmware_version(self, a: dict[str, int], op: str) -> None:
         major, minor, patch, build = self.profile.firmware_version
         self._copy_result(a, L.query_firmware_version.pack(
             {"major": major, "minor": minor, "patch": patch, "build": build}), op)
 
-    def _info_power_mode(self, a: dict, op: str) -> None:
+    def _info_power_mode(self, a: dict[str, int], op: str) -> None:
         self._copy_result(a, L.get_power_mode.pack({"power_mode": self.power_mode}), op)
 
-    def _info_telemetry(self, a: dict, op: str) -> None:
+    def _info_telemetry(self, a: dict[str, int], op: str) -> None:
         header_size = L.query_telemetry_header.size + 4 * self.profile.hwctx_limit
         if a["buffer_size"] <= header_size:
             raise fail(errno.EINVAL, op, f"buffer_size={a['buffer_size']} must exceed the {header_size}-byte header")
@@ -141,10 +145,10 @@ class QueryIoctls:
         usermem.write(a["buffer"], payload + bytes(data_size), op + " buffer")
         a["buffer_size"] = header_size + data_size
 
-    def _info_preempt(self, key: str, a: dict, op: str) -> None:
+    def _info_preempt(self, key: str, a: dict[str, int], op: str) -> None:
         self._copy_result(a, L.attribute_state.pack({"state": self.preempt_state[key], "pad": b""}), op)
 
-    def _info_resource(self, a: dict, op: str) -> None:
+    def _info_resource(self, a: dict[str, int], op: str) -> None:
         prof = self.profile
         top = prof.dpm_clocks[-1][1]
         self._copy_result(a, L.get_resource_info.pack({
@@ -153,7 +157,7 @@ class QueryIoctls:
 
     # --- GET_ARRAY (docs/uapi.md 4.9, 10) ---
 
-    def _ioctl_get_array(self, client: Client, a: dict) -> None:
+    def _ioctl_get_array(self, client: Client, a: dict[str, int]) -> None:
         op = f"GET_ARRAY(param={a['param']})"
         if a["pad"] or a["num_element"] == 0 or a["element_size"] == 0:
             raise fail(errno.EINVAL, op, "pad must be 0, num_element and element_size non-zero")
@@ -161,7 +165,7 @@ class QueryIoctls:
         with self.lock:
             handler(client, a, op)
 
-    def _array_hwctx_all(self, client: Client, a: dict, op: str) -> None:
+    def _array_hwctx_all(self, client: Client, a: dict[str, int], op: str) -> None:
         if a["element_size"] > 4096 or a["num_element"] > 1024:
             raise fail(errno.EINVAL, op, "element_size must be 1..4096 and num_element <= 1024")
         # The driver packs entries at min(element_size, its own sizeof) and fits as many as the caller's
@@ -187,11 +191,11 @@ class QueryIoctls:
             "dma_bandwidth": qos["dma_bandwidth"], "latency": qos["latency"],
             "frame_exec_time": qos["frame_exec_time"], **ctx.health, "name": ctx.fd.comm})
 
-    def _array_async_err(self, client: Client, a: dict, op: str) -> None:
+    def _array_async_err(self, client: Client, a: dict[str, int], op: str) -> None:
         usermem.write(a["buffer"], L.async_error.pack(self.last_async_error), op + " buffer")
         a["element_size"], a["num_element"] = ASYNC_ERROR_SIZE, 1
 
-    def _array_bo_usage(self, client: Client, a: dict, op: str) -> None:
+    def _array_bo_usage(self, client: Client, a: dict[str, int], op: str) -> None:
         if a["num_element"] != 1:
             raise fail(errno.EINVAL, op, "BO_USAGE takes exactly one element")
         size = min(a["element_size"], L.bo_usage.size)
@@ -207,13 +211,13 @@ class QueryIoctls:
 
     # --- SET_STATE (docs/uapi.md 4.10, 10) ---
 
-    def _ioctl_set_state(self, client: Client, a: dict) -> None:
+    def _ioctl_set_state(self, client: Client, a: dict[str, int]) -> None:
         op = f"SET_STATE(param={a['param']})"
         handler = self._param_handler(_SET_STATE, a["param"], op)
         with self.lock:
             handler(a, op)
 
-    def _set_power_mode(self, a: dict, op: str) -> None:
+    def _set_power_mode(self, a: dict[str, int], op: str) -> None:
         request = L.set_power_mode.unpack(usermem.read(a["buffer"], L.set_power_mode.size, op + " buffer"))
         mode = request["power_mode"]
         if any(request["pad"]):
@@ -226,7 +230,7 @@ class QueryIoctls:
             raise fail(errno.EINVAL, op, "TURBO while hardware contexts exist")
         self.power_mode = mode
 
-    def _set_preempt(self, key: str, a: dict, op: str) -> None:
+    def _set_preempt(self, key: str, a: dict[str, int], op: str) -> None:
         request = L.attribute_state.unpack(usermem.read(a["buffer"], L.attribute_state.size, op + " buffer"))
         if request["state"] > 1:
             raise fail(errno.EINVAL, op, f"state={request['state']} > 1")
@@ -236,16 +240,18 @@ class QueryIoctls:
 
 
 # Dispatch tables: param -> (method, minimum DRM minor, leading arguments) (docs/uapi.md 10, 11).
-_GET_INFO = {0: ("_info_aie_status", 0), 1: ("_info_aie_metadata", 0), 2: ("_info_aie_version", 0),
-             3: ("_info_clock_metadata", 0), 4: ("_info_sensors", 0), 5: ("_info_hw_contexts", 0),
-             8: ("_info_firmware_version", 0), 9: ("_info_power_mode", 0), 10: ("_info_telemetry", 5),
-             11: ("_info_preempt", 6, "force"), 12: ("_info_resource", 4), 13: ("_info_preempt", 6, "frame_boundary")}
-_GET_ARRAY = {0: ("_array_hwctx_all", 1), 2: ("_array_async_err", 2), 6: ("_array_bo_usage", 8)}
-_SET_STATE = {0: ("_set_power_mode", 0), 3: ("_set_preempt", 6, "force"),
-              4: ("_set_preempt", 6, "frame_boundary")}
+_ParamEntry = tuple[str, int] | tuple[str, int, str]
+_GET_INFO: dict[int, _ParamEntry] = {
+    0: ("_info_aie_status", 0), 1: ("_info_aie_metadata", 0), 2: ("_info_aie_version", 0),
+    3: ("_info_clock_metadata", 0), 4: ("_info_sensors", 0), 5: ("_info_hw_contexts", 0),
+    8: ("_info_firmware_version", 0), 9: ("_info_power_mode", 0), 10: ("_info_telemetry", 5),
+    11: ("_info_preempt", 6, "force"), 12: ("_info_resource", 4), 13: ("_info_preempt", 6, "frame_boundary")}
+_GET_ARRAY: dict[int, _ParamEntry] = {0: ("_array_hwctx_all", 1), 2: ("_array_async_err", 2), 6: ("_array_bo_usage", 8)}
+_SET_STATE: dict[int, _ParamEntry] = {0: ("_set_power_mode", 0), 3: ("_set_preempt", 6, "force"),
+                                      4: ("_set_preempt", 6, "frame_boundary")}
 
 
-def _add_usage(usage: dict, client: Client) -> None:
+def _add_usage(usage: dict[str, int], client: Client) -> None:
     # Heap and CMD count as internal, SHMEM as external, DEV only in heap_usage (docs/uapi.md 10 BO_USAGE).
     for bo in client.bos.values():
         if bo.kind == AMDXDNA_BO_DEV:

@@ -9,10 +9,15 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from . import usermem
+from .buffers import DeviceState
 from .memory import AMDXDNA_BO_CMD, Bo
 from .objects import Client, Fence, HwCtx, Job, Timeline, fail
+
+if TYPE_CHECKING:
+    from .driver import EmuDevice
 
 HWCTX_MAX_CMDS = 4                  # jobs in flight per context (docs/uapi.md 4.7 step 6)
 MAX_CMD_BO_SIZE = 32 << 10          # CMD BO limit checked at EXEC_CMD (docs/uapi.md 4.4 CMD, 4.7 step 3)
@@ -28,15 +33,16 @@ WAIT_SLICE_S = 60.0
 KMALLOC_MAX_SIZE = 4 << 20
 
 
-class SubmitIoctls:
+class SubmitIoctls(DeviceState):
     """EXEC_CMD, WAIT_CMD and SYNCOBJ_{CREATE,DESTROY,WAIT,TIMELINE_WAIT,RESET,SIGNAL,QUERY,TIMELINE_SIGNAL}
     (rules D8, E1-E7, E13).
 
     Mixed into ``EmuDevice`` (driver.py), whose ``lock``, ``cond``, ``profile``, ``firmware`` and reference
-    counting (``unref_bo``) its methods use; ``driver._driver_table`` names the handlers.
+    counting (``unref_bo``) its methods use (declared by ``DeviceState``); ``driver._driver_table`` names the
+    handlers.
     """
 
-    def _ioctl_exec_cmd(self, client: Client, a: dict) -> None:
+    def _ioctl_exec_cmd(self, client: Client, a: dict[str, int]) -> None:
         op = f"EXEC_CMD(hwctx={a['hwctx']}, cmd={a['cmd_handles'] & 0xFFFFFFFF})"
         if a["ext"] or a["ext_flags"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags must be 0")
@@ -95,12 +101,13 @@ class SubmitIoctls:
         ctx.syncobj.add(seq, fence)
         ctx.stats["submissions"] += 1
         # The job owns the references EXEC_CMD took until Job.complete drops them (docs/uapi.md 4.7 step 4, rule D7).
-        job = Job(self, ctx, seq, cmd_bo, arg_bos, fence)
+        # This mixin exists only as a base of EmuDevice (driver.py): `self` is the device.
+        job = Job(cast("EmuDevice", self), ctx, seq, cmd_bo, arg_bos, fence)
         ctx.jobs[seq] = job
         self.firmware.submit(job)
         return seq
 
-    def _ioctl_wait_cmd(self, client: Client, a: dict) -> None:
+    def _ioctl_wait_cmd(self, client: Client, a: dict[str, int]) -> None:
         op = f"WAIT_CMD(hwctx={a['hwctx']}, seq={a['seq']})"
         if not self.profile.wait_cmd:
             raise fail(errno.EOPNOTSUPP, op, "AIE2 has no cmd_wait op upstream; wait on the hwctx syncobj")
@@ -144,14 +151,14 @@ class SubmitIoctls:
             raise fail(code, op, f"syncobj handle={handle} unknown")
         return timeline
 
-    def _ioctl_syncobj_create(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_create(self, client: Client, a: dict[str, int]) -> None:
         if a["flags"] & ~DRM_SYNCOBJ_CREATE_SIGNALED:
             raise fail(errno.EINVAL, "SYNCOBJ_CREATE", f"flags={a['flags']:#x}")
         with self.lock:
             a["handle"] = Client.lowest_free(client.syncobjs)
             client.syncobjs[a["handle"]] = Timeline(signalled=bool(a["flags"] & DRM_SYNCOBJ_CREATE_SIGNALED))
 
-    def _ioctl_syncobj_destroy(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_destroy(self, client: Client, a: dict[str, int]) -> None:
         op = f"SYNCOBJ_DESTROY(handle={a['handle']})"
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")
@@ -159,7 +166,7 @@ class SubmitIoctls:
             if client.syncobjs.pop(a["handle"], None) is None:
                 raise fail(errno.EINVAL, op, "unknown handle")
 
-    def _handles(self, client: Client, a: dict, op: str) -> list[Timeline]:
+    def _handles(self, client: Client, a: dict[str, int], op: str) -> list[Timeline]:
         count = a["count_handles"]
         if count == 0:
             raise fail(errno.EINVAL, op, "count_handles is 0")
@@ -167,17 +174,17 @@ class SubmitIoctls:
         with self.lock:
             return [self._syncobj(client, int.from_bytes(raw[i:i + 4], "little"), op) for i in range(0, 4 * count, 4)]
 
-    def _points(self, a: dict, op: str) -> list[int]:
+    def _points(self, a: dict[str, int], op: str) -> list[int]:
         raw = _user_array(a["points"], a["count_handles"], 8, op, "points")
         return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
 
-    def _ioctl_syncobj_wait(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_wait(self, client: Client, a: dict[str, int]) -> None:
         self._syncobj_wait(client, a, "SYNCOBJ_WAIT", None)
 
-    def _ioctl_syncobj_timeline_wait(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_timeline_wait(self, client: Client, a: dict[str, int]) -> None:
         self._syncobj_wait(client, a, "SYNCOBJ_TIMELINE_WAIT", "points")
 
-    def _syncobj_wait(self, client: Client, a: dict, op: str, points_key: str | None) -> None:
+    def _syncobj_wait(self, client: Client, a: dict[str, int], op: str, points_key: str | None) -> None:
         flags = a["flags"]
         known = (DRM_SYNCOBJ_WAIT_FLAGS_WAIT_ALL | DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT
                  | DRM_SYNCOBJ_WAIT_FLAGS_WAIT_AVAILABLE | DRM_SYNCOBJ_WAIT_FLAGS_WAIT_DEADLINE)
@@ -194,17 +201,18 @@ class SubmitIoctls:
             ready = _wait_predicate(timelines, points, flags)
             if not self._wait_until(lambda: ready() is not None, deadline, op):
                 raise fail(errno.ETIME, op, "timeout")
-            first = ready()
+            # Not None: the wait has just seen it so, and the lock has been held since.
+            first = cast(int, ready())
             if not flags & DRM_SYNCOBJ_WAIT_FLAGS_WAIT_ALL:
                 a["first_signaled"] = first
 
-    def _ioctl_syncobj_reset(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_reset(self, client: Client, a: dict[str, int]) -> None:
         self._binary(client, a, "SYNCOBJ_RESET", None)
 
-    def _ioctl_syncobj_signal(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_signal(self, client: Client, a: dict[str, int]) -> None:
         self._binary(client, a, "SYNCOBJ_SIGNAL", Fence(True))
 
-    def _binary(self, client: Client, a: dict, op: str, fence: Fence | None) -> None:
+    def _binary(self, client: Client, a: dict[str, int], op: str, fence: Fence | None) -> None:
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")
         timelines = self._handles(client, a, op)
@@ -213,7 +221,7 @@ class SubmitIoctls:
                 timeline.replace(fence)
             self.cond.notify_all()
 
-    def _ioctl_syncobj_query(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_query(self, client: Client, a: dict[str, int]) -> None:
         op = "SYNCOBJ_QUERY"
         if a["flags"] & ~DRM_SYNCOBJ_QUERY_FLAGS_LAST_SUBMITTED:
             raise fail(errno.EINVAL, op, f"flags={a['flags']:#x}")
@@ -225,7 +233,7 @@ class SubmitIoctls:
                 points = [tl.signalled_point() for tl in timelines]
         usermem.write(a["points"], b"".join(p.to_bytes(8, "little") for p in points), op + " points")
 
-    def _ioctl_syncobj_timeline_signal(self, client: Client, a: dict) -> None:
+    def _ioctl_syncobj_timeline_signal(self, client: Client, a: dict[str, int]) -> None:
         op = "SYNCOBJ_TIMELINE_SIGNAL"
         if a["flags"]:
             raise fail(errno.EINVAL, op, f"flags={a['flags']:#x}")
