@@ -221,7 +221,8 @@ class Geometry:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown geometry {name!r} (expected one of {', '.join(PRESETS)})")
-        return getattr(cls, name)()
+        preset: Callable[[], Geometry] = getattr(cls, name)  # a classmethod named in PRESETS
+        return preset()
 
     @classmethod
     def derive(cls, name: str, *, m: int, tile_k: int, tile_n: int, ct_k: int, mha_d_head: int, conv_p: int = 2,

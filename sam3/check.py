@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import numpy as np
+import numpy.typing as npt
 
 from sam3 import demo as demo_mod
 from sam3 import post, preprocess, text
 from sam3.bundle import Bundle, BundleError
 from sam3.hostmath import cosine
-from sam3.npu import NpuError
+from sam3.npu import DEFAULT_TIMEOUT, NpuError
 from sam3.pack import pack_b
 from sam3.pipeline import Sam3
 from sam3.tokenizer import ClipTokenizer
@@ -191,7 +192,7 @@ class CaseMatch:
     extra: list[int]
 
 
-def iou_matrix(reference: np.ndarray, found: np.ndarray) -> np.ndarray:
+def iou_matrix(reference: np.ndarray, found: np.ndarray) -> npt.NDArray[np.float64]:
     """IoU of every reference mask with every found mask, float64 `[n_ref, n_found]`; an empty union counts as 1.
 
     Raises:
@@ -206,7 +207,8 @@ def iou_matrix(reference: np.ndarray, found: np.ndarray) -> np.ndarray:
     b = got.reshape(got.shape[0], pixels).astype(bool).astype(np.float64)
     inter = a @ b.T  # exact: integer pixel counts far below 2^53
     union = a.sum(1)[:, None] + b.sum(1)[None, :] - inter
-    return np.divide(inter, union, out=np.ones_like(inter), where=union > 0)
+    iou: npt.NDArray[np.float64] = np.divide(inter, union, out=np.ones_like(inter), where=union > 0)
+    return iou
 
 
 def match_case(ref_scores: np.ndarray, ref_masks: np.ndarray, found: post.Instances, threshold: float,
@@ -544,7 +546,8 @@ class _Checker:
 
     def last_hidden(self) -> np.ndarray:
         p = self.p
-        return self.ref("ref.dec_hidden", (p.dec_layers, p.queries, p.d_model))[-1]
+        last: np.ndarray = self.ref("ref.dec_hidden", (p.dec_layers, p.queries, p.d_model))[-1]
+        return last
 
     def decoder(self) -> None:
         (feats, valid), enc = self.prompt(), self.enc_out()
@@ -675,7 +678,7 @@ def run_check(bundle_dir: str | os.PathLike[str], device: Any = None, *, out: Te
     start = time.perf_counter()
     dev = demo_mod.choose_device(device, bundle_dir, say or (lambda message: None))
     try:
-        timeout = demo_mod.EMULATOR_TIMEOUT if dev.emulator is not None else demo_mod.DEFAULT_TIMEOUT
+        timeout = demo_mod.EMULATOR_TIMEOUT if dev.emulator is not None else DEFAULT_TIMEOUT
         with Sam3(bundle_dir, dev, timeout=timeout) as sam:
             where = f"emulator ({dev.name})" if dev.emulator is not None else f"NPU ({dev.name})"
             report = CheckReport(str(bundle_dir), dev.name, time.perf_counter() - start)

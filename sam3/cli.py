@@ -20,7 +20,7 @@ from amdxdna_direct.errors import Error
 from sam3 import build as build_mod
 from sam3 import demo as demo_mod
 from sam3.bundle import Bundle, BundleError, format_summary, summarize
-from sam3.npu import NpuError
+from sam3.npu import DEFAULT_TIMEOUT, NpuError
 
 SCHEMA = 1
 
@@ -117,7 +117,7 @@ def _segment(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
     try:
-        timeout = demo_mod.EMULATOR_TIMEOUT if device.emulator is not None else demo_mod.DEFAULT_TIMEOUT
+        timeout = demo_mod.EMULATOR_TIMEOUT if device.emulator is not None else DEFAULT_TIMEOUT
         with Sam3(args.bundle, device, timeout=timeout) as sam:
             where = f"emulator ({device.name})" if device.emulator is not None else f"NPU ({device.name})"
             loaded = time.perf_counter() - start

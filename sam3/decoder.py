@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from sam3 import hostmath
 from sam3.bundle import Bundle
@@ -85,18 +86,20 @@ def mlp(bundle: Bundle, name: str, x: np.ndarray, first: int = 1) -> np.ndarray:
     return h
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
+def sigmoid(x: np.ndarray) -> npt.NDArray[np.float32]:
     """1 / (1 + exp(-x)) in float32 with the real exp."""
     x = np.asarray(x, dtype=_F32)
     with np.errstate(over="ignore"):
-        return (_F32(1) / (_F32(1) + np.exp(-x))).astype(_F32)
+        y: npt.NDArray[np.float32] = (_F32(1) / (_F32(1) + np.exp(-x))).astype(_F32)
+    return y
 
 
-def inverse_sigmoid(x: np.ndarray) -> np.ndarray:
+def inverse_sigmoid(x: np.ndarray) -> npt.NDArray[np.float32]:
     """ln(max(x, 1e-3) / max(1 - x, 1e-3)) with x clamped to [0, 1] first."""
     x = np.clip(np.asarray(x, dtype=_F32), _F32(0), _F32(1))
     eps = _F32(INVERSE_SIGMOID_EPS)
-    return np.log(np.maximum(x, eps) / np.maximum(_F32(1) - x, eps)).astype(_F32)
+    y: npt.NDArray[np.float32] = np.log(np.maximum(x, eps) / np.maximum(_F32(1) - x, eps)).astype(_F32)
+    return y
 
 
 def xyxy(boxes: np.ndarray) -> np.ndarray:
@@ -114,7 +117,7 @@ def sine_boxes(boxes: np.ndarray, d: int) -> np.ndarray:
     dim_t = np.power(_F32(SINE_TEMPERATURE), (2 * (i // 2)).astype(_F32) / _F32(f)).astype(_F32)
     coords = boxes[:, [1, 0, 2, 3]].astype(_F32) * _F32(2 * math.pi)
     v = coords[:, :, None] / dim_t
-    out = np.where(i % 2 == 0, np.sin(v), np.cos(v)).astype(_F32)
+    out: npt.NDArray[np.float32] = np.where(i % 2 == 0, np.sin(v), np.cos(v)).astype(_F32)
     return out.reshape(boxes.shape[0], 4 * f)
 
 
@@ -149,7 +152,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, bias: np.
     if bias is not None:
         scores += bias
     mask = None if valid is None else np.asarray(valid, bool)[None, None, :]
-    return (hostmath.softmax(scores, mask) @ vh).transpose(1, 0, 2).reshape(nq, d)
+    out: np.ndarray = (hostmath.softmax(scores, mask) @ vh).transpose(1, 0, 2).reshape(nq, d)
+    return out
 
 
 def kv_input(bundle: Bundle, enc: np.ndarray) -> np.ndarray:
@@ -158,7 +162,7 @@ def kv_input(bundle: Bundle, enc: np.ndarray) -> np.ndarray:
     return np.concatenate([enc + pos, enc], axis=1)
 
 
-def score(bundle: Bundle, hidden: np.ndarray, feats: np.ndarray, valid: np.ndarray) -> np.ndarray:
+def score(bundle: Bundle, hidden: np.ndarray, feats: np.ndarray, valid: np.ndarray) -> npt.NDArray[np.float32]:
     """The dot-product scoring (docs/sam3-segment.md 2.5): t = score.text_ln(score.text_mlp(feats) + feats),
     pooled as the mean over the valid tokens (of at least one), projected by `score.text_proj`; logits =
     clamp(score.query_proj(hidden) . pooled / sqrt(d), +-12). Returns `[Q]`."""
@@ -167,7 +171,8 @@ def score(bundle: Bundle, hidden: np.ndarray, feats: np.ndarray, valid: np.ndarr
     pooled = (t * keep[:, None]).sum(axis=0) / max(_F32(keep.sum()), _F32(1))
     pt = linear(bundle, "score.text_proj", pooled[None])[0]
     logits = linear(bundle, "score.query_proj", hidden) @ pt / _F32(math.sqrt(hidden.shape[1]))
-    return np.clip(logits, -LOGIT_CLAMP, LOGIT_CLAMP).astype(_F32)
+    clamped: npt.NDArray[np.float32] = np.clip(logits, -LOGIT_CLAMP, LOGIT_CLAMP).astype(_F32)
+    return clamped
 
 
 def check_inputs(bundle: Bundle, enc: np.ndarray, feats: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -31,8 +31,8 @@ import numpy as np
 from safetensors import safe_open
 
 from sam3 import build, export_text, pack
-from sam3.build import GEMM_KEYS, MHA_KEYS, OP_KEYS, GemmShape, Geometry, GeometryError, MhaShape
-from sam3.bundle import Bundle, BundleWriter
+from sam3.build import GemmShape, Geometry, GeometryError, MhaShape
+from sam3.bundle import GEMM_KEYS, MHA_KEYS, OP_KEYS, Bundle, BundleWriter
 from sam3.export_text import ExportError
 from sam3.hostmath import f32
 from sam3.kernels import rope_table
@@ -1029,7 +1029,7 @@ _PACK_EDGE = np.array([64, 14.9375, 106.5, 94.5, 0, -1.5, -2.5, 3], np.float32)
 class _Reference:
     """A reference.npz and its cases.json (docs/sam3-export.md 9), checked against the model's sizes."""
 
-    def __init__(self, path: Path, npz: Any, cases: list[dict[str, Any]], m: Model):
+    def __init__(self, path: Path, npz: np.lib.npyio.NpzFile, cases: list[dict[str, Any]], m: Model):
         self.path, self.npz, self.cases, self.m = path, npz, cases, m
 
     @classmethod
@@ -1040,6 +1040,8 @@ class _Reference:
             npz = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as e:
             raise ExportError(f"{path}: cannot read the reference: {e}") from e
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise ExportError(f"{path}: holds a single .npy array, expected the reference's .npz archive")
         cases_path = path.parent / "cases.json"
         try:
             doc = json.loads(cases_path.read_text(encoding="utf-8"))

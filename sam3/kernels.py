@@ -44,7 +44,7 @@ __all__ = [
     "split_rope_table", "stream_extents",
 ]
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+BF16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)  # ml_dtypes' scalar types carry no static type
 _BF16_BYTES = 2
 _F32_BYTES = 4
 
@@ -285,7 +285,8 @@ def _bf16(view: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _relu(x: np.ndarray) -> np.ndarray:
-    return np.maximum(x, np.float32(0.0), out=x)
+    np.maximum(x, np.float32(0.0), out=x)
+    return x
 
 
 _ACTIVATIONS: dict[int, Callable[[np.ndarray], np.ndarray]] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from amdxdna_direct.bo import Bo
 from sam3.bundle import Bundle
@@ -61,7 +62,7 @@ class Geometry:
         return self.grid << (stage + 1)
 
 
-def group_norm_relu(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int = GN_GROUPS) -> np.ndarray:
+def group_norm_relu(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int = GN_GROUPS) -> npt.NDArray[np.float32]:
     """relu(GroupNorm(x)) of a channels-last map `[pixels, C]` (docs/sam3-segment.md 3.3): per group, sums of x and
     x^2 over its pixels and channels in float64, var = E[x^2] - mean^2 clamped at 0, eps 1e-5; float32 out."""
     x = np.asarray(x, _F32)
@@ -73,9 +74,10 @@ def group_norm_relu(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int = G
     inv = np.repeat((1.0 / np.sqrt(var + GN_EPS)).astype(_F32), c // groups)
     scale = inv * np.asarray(w, _F32)
     shift = np.asarray(b, _F32) - np.repeat(mean.astype(_F32), c // groups) * scale
-    y = np.multiply(x, scale)  # (x - mean) * inv * w + b, one pass over the map
+    y: npt.NDArray[np.float32] = np.multiply(x, scale)  # (x - mean) * inv * w + b, one pass over the map
     y += shift
-    return np.maximum(y, _F32(0), out=y)
+    np.maximum(y, _F32(0), out=y)
+    return y
 
 
 def upsample2(x: np.ndarray, side: int) -> np.ndarray:
@@ -222,7 +224,8 @@ class MaskDecoder:
         out = self._gemm(self.c, probs, self.slots[1], self.tokens)
         if not b.gemms["d_c"].bias:
             out = out + f.c_bias
-        return enc + out
+        p: np.ndarray = enc + out
+        return p
 
     def conv(self, side: int, x: np.ndarray, stage: int) -> np.ndarray:
         """3x3 convolution `m.conv<stage>` (zero padding 1) of a `[side^2, d]` map on the NPU, + `m.conv<stage>.b`.

@@ -55,7 +55,8 @@ def conv3x3(npu: Npu, convs: dict[int, Io], side: int, x: np.ndarray, weights: s
     io.set_a(conv_input(x.reshape(side, side, -1), geom, io.rows))
     npu.run(io, npu.weights(weights))
     b = npu.bundle.tensors.get(bias, "f32")
-    return conv_output(io.get_c_f32(io.rows), geom, side, side).reshape(side * side, -1) + b
+    out: np.ndarray = conv_output(io.get_c_f32(io.rows), geom, side, side).reshape(side * side, -1) + b
+    return out
 
 
 class Neck:
@@ -106,7 +107,8 @@ def reference_conv(bundle: Bundle, x: np.ndarray, side: int, weights: str, bias:
     c = np.concatenate([a[r:r + block] @ b for r in range(0, rows, block)])
     if packed_bias is not None:
         c = c + packed_bias
-    return conv_output(c, geom, side, side).reshape(side * side, -1) + bundle.tensors.get(bias, "f32")
+    out: np.ndarray = conv_output(c, geom, side, side).reshape(side * side, -1) + bundle.tensors.get(bias, "f32")
+    return out
 
 
 def reference(bundle: Bundle, vit_out: np.ndarray) -> list[np.ndarray]:

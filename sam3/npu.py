@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from amdxdna_direct import errors
 from amdxdna_direct.bo import BF16, FROM_DEVICE, Bo
 from amdxdna_direct.device import Device, open_device, release_steps
 from amdxdna_direct.hwctx import HwContext
-from amdxdna_direct.kernel import Run, RunList
+from amdxdna_direct.kernel import Kernel, Run, RunList
 from amdxdna_direct.xclbin import Xclbin
 from sam3.bundle import Bundle, GemmSpec, KernelSource, MhaSpec, OpSpec
 from sam3.pack import BF16_BYTES, ConvGeometry, round_up, to_bf16
@@ -64,7 +65,7 @@ class NpuError(errors.Error, RuntimeError):
 # host <-> buffer copies
 
 
-def push(src: np.ndarray, bo: Bo, offset: int = 0, *, dtype: Any = None) -> int:
+def push(src: np.ndarray, bo: Bo, offset: int = 0, *, dtype: npt.DTypeLike | None = None) -> int:
     """Copies `src` into `bo` at byte `offset` straight into the mapping (`Bo.write`: wide parallel copies from
     4 MiB) and syncs that range to the device.
 
@@ -90,7 +91,8 @@ def push(src: np.ndarray, bo: Bo, offset: int = 0, *, dtype: Any = None) -> int:
     return nbytes
 
 
-def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0, *, stored: Any = None) -> np.ndarray:
+def pull(bo: Bo, count: int, dtype: npt.DTypeLike = np.uint16, offset: int = 0, *,
+         stored: npt.DTypeLike | None = None) -> np.ndarray:
     """The first `count` items of `dtype` of `bo` at byte `offset` (synced from the device first), copied out
     straight from the mapping (`Bo.read`).
 
@@ -116,7 +118,8 @@ def pull(bo: Bo, count: int, dtype: Any = np.uint16, offset: int = 0, *, stored:
     bo.sync(offset, count * held.itemsize, direction=FROM_DEVICE)
     if stored is not None:
         return bo.read_f32_from_bf16(count, offset)
-    return bo.read(offset=offset, dtype=dt, count=count)
+    out: np.ndarray = bo.read(offset=offset, dtype=dt, count=count)  # Bo.read is typed Any: bytes without a dtype
+    return out
 
 
 def _push_bf16(src: np.ndarray, bo: Bo, what: str) -> int:
@@ -344,13 +347,14 @@ def _exclusive(method: Callable[Concatenate[Npu, _P], _R]) -> Callable[Concatena
     LRU, and an eviction must not destroy a context another thread is about to submit to (the reference's
     `&mut self`)."""
     @functools.wraps(method)
-    def locked(self: Npu, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def locked(self: Npu, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
 
 
-_Unit = Any  # a Run, a RunList (ERT_CMD_CHAIN packets over several), or a tuple of Runs (SAM3_CHAINS=0)
+# A command unit: one Run, a RunList (ERT_CMD_CHAIN packets over several), or a tuple of Runs (SAM3_CHAINS=0).
+_Unit = Run | RunList | tuple[Run, ...]
 # A cached unit under its key: (the buffers it pins, then the instruction stream it was built from; the unit).
 _UnitCache = dict[Any, tuple[tuple[Bo | bytes, ...], _Unit]]
 
@@ -376,7 +380,7 @@ def _release_unit(unit: _Unit) -> None:
 class _Resident:
     """A loaded kernel: the context's kernel object and the stream generation its packets were built for."""
 
-    kernel: Any
+    kernel: Kernel
     ctx: HwContext
 
 
@@ -787,7 +791,7 @@ class Npu:
     # -- command units (built once per operand set, context and stream) -------------------------
 
     def _unit(self, key: str, cache: _UnitCache, ident: Any, pins: tuple[Bo, ...],
-              make: Callable[[Any, bytes], list[Run]]) -> _Unit:
+              make: Callable[[Kernel, bytes], list[Run]]) -> _Unit:
         """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident and
         its stream unpatched since, else built (one Run, a RunList for several, or a tuple of Runs when chains
         are off). An entry keeps its pinned buffers alive, so no other buffer can take their ids meanwhile."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from sam3 import decoder as decoder_mod
 from sam3 import detr, mask, neck, post, preprocess, text, vit
@@ -76,9 +77,10 @@ class Prompt:
     feats: np.ndarray
 
     @property
-    def valid(self) -> np.ndarray:
+    def valid(self) -> npt.NDArray[np.bool_]:
         """Booleans `[text_len]`: the valid prefix of the prompt."""
-        return self.mask != 0
+        valid: npt.NDArray[np.bool_] = self.mask != 0
+        return valid
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from amdxdna_direct.errors import Error
 
@@ -61,9 +62,10 @@ class Instances:
         """Image width in pixels."""
         return int(self.masks.shape[2])
 
-    def areas(self) -> np.ndarray:
+    def areas(self) -> npt.NDArray[np.int64]:
         """Mask pixels per instance, int64 `[n]`."""
-        return self.masks.sum(axis=(1, 2), dtype=np.int64)
+        areas: npt.NDArray[np.int64] = self.masks.sum(axis=(1, 2), dtype=np.int64)
+        return areas
 
     def lines(self) -> list[str]:
         """One line per instance as `sam3 segment` prints it (docs/sam3-segment.md 7):
@@ -111,14 +113,15 @@ def _floats(value: Any, what: str, shape: tuple[int | None, ...]) -> np.ndarray:
     return arr
 
 
-def sigmoid(x: np.ndarray) -> np.ndarray:
+def sigmoid(x: np.ndarray) -> npt.NDArray[np.float32]:
     """1 / (1 + exp(-x)) in float32 with the real exp (an overflow to inf gives exactly 0)."""
     x = np.asarray(x, dtype=_F32)
     with np.errstate(over="ignore"):
-        return (_F32(1) / (_F32(1) + np.exp(-x))).astype(_F32)
+        y: npt.NDArray[np.float32] = (_F32(1) / (_F32(1) + np.exp(-x))).astype(_F32)
+    return y
 
 
-def scores(logits: np.ndarray, presence: np.ndarray | float) -> np.ndarray:
+def scores(logits: np.ndarray, presence: np.ndarray | float) -> npt.NDArray[np.float32]:
     """Instance scores `[Q]`: sigmoid(logit) * sigmoid(presence), float32.
 
     Raises:
@@ -126,7 +129,8 @@ def scores(logits: np.ndarray, presence: np.ndarray | float) -> np.ndarray:
     """
     lg = _floats(logits, "logits", (None,))
     pr = _floats(np.reshape(np.asarray(presence), -1), "presence", (1,))
-    return sigmoid(lg) * sigmoid(pr)[0]
+    both: npt.NDArray[np.float32] = sigmoid(lg) * sigmoid(pr)[0]
+    return both
 
 
 def _axis(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -132,7 +132,8 @@ def _block(x: np.ndarray, weights: Weights, key: str, p: TextParams) -> np.ndarr
                           p.text_eps)
 
     x = x + lin("o", dim, dim, causal_attention(lin("qkv", 3 * dim, dim, ln("ln1", x)), p.text_heads))
-    return x + lin("fc2", dim, ffn, gelu_erf(lin("fc1", ffn, dim, ln("ln2", x))))
+    out: np.ndarray = x + lin("fc2", dim, ffn, gelu_erf(lin("fc1", ffn, dim, ln("ln2", x))))
+    return out
 
 
 def causal_attention(qkv: np.ndarray, heads: int) -> np.ndarray:
@@ -142,4 +143,5 @@ def causal_attention(qkv: np.ndarray, heads: int) -> np.ndarray:
     q, k, v = qkv.reshape(n, 3, heads, hd).transpose(1, 2, 0, 3)
     scores = (q @ k.transpose(0, 2, 1)) * np.float32(hd ** -0.5)
     probs = softmax(scores, np.tril(np.ones((n, n), dtype=bool)))
-    return (probs @ v).transpose(1, 0, 2).reshape(n, heads * hd)
+    out: np.ndarray = (probs @ v).transpose(1, 0, 2).reshape(n, heads * hd)
+    return out

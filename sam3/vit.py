@@ -102,7 +102,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, groups: i
         return a.reshape(groups, t // groups, heads, hd).transpose(0, 2, 1, 3)
 
     scores = split(q) @ split(k).transpose(0, 1, 3, 2) / np.float32(np.sqrt(hd))
-    out = hostmath.softmax(scores) @ split(v)
+    out: np.ndarray = hostmath.softmax(scores) @ split(v)
     return out.transpose(0, 2, 1, 3).reshape(t, width)
 
 
