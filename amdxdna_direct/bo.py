@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -42,7 +42,9 @@ from .errors import ioctl_error
 from .seam import dmabuf_size
 
 if TYPE_CHECKING:
-    from .device import Device
+    import numpy.typing as npt
+
+    from .device import Device, _Resource
 
 __all__ = ["Bo", "KINDS", "PAGE_SIZE", "TO_DEVICE", "FROM_DEVICE", "unhold", "copy_bytes", "store_bf16", "load_bf16",
            "copy_pool", "COPY_WORKERS", "POOL_MIN_BYTES", "POOL_MIN_ELEMENTS"]
@@ -112,7 +114,7 @@ def _int_arg(what: str, name: str, value: Any) -> int:
 def _data_dtype(what: str, dtype: Any) -> np.dtype:
     """``dtype`` as a numpy dtype that can live in raw device memory (fixed size, no Python objects)."""
     try:
-        dt = np.dtype(dtype)
+        dt: np.dtype[Any] = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"{what}: {dtype!r} is not a numpy dtype ({exc})") from exc
     if dt.itemsize == 0 or dt.hasobject:
@@ -191,8 +193,8 @@ class Bo:
         self.imported = False
         self._subs: weakref.WeakSet[Bo] = weakref.WeakSet()
         self._closed = False
-        self._release = None
-        self._finalizer = None
+        self._release: _Resource | None = None
+        self._finalizer: weakref.finalize[[Callable[[], None], str], Bo] | None = None
         self._mappings: list[CpuMapping] = []
         self._flat_cache: np.ndarray | None = None
 
@@ -350,7 +352,7 @@ class Bo:
         for sub in list(self._subs):
             sub._closed = True
         self._closed = True
-        if self._finalizer is not None:
+        if self._finalizer is not None and self._release is not None:     # both set by _attach
             self._finalizer.detach()
             self._release()
 
@@ -437,7 +439,8 @@ class Bo:
         offset = _int_arg("view", "offset", offset)
         size = self.size - offset if size is None else _int_arg("view", "size", size)
         self._check_range("view", offset, size, size, None)
-        return memoryview(self.array(np.uint8, size, offset))
+        # ndarray has the buffer protocol; numpy's stubs declare it (__buffer__) for Python >= 3.12 only
+        return memoryview(self.array(np.uint8, size, offset))  # type: ignore[arg-type]
 
     def __buffer__(self, flags: int) -> memoryview:
         """The buffer protocol (PEP 688, Python >= 3.12): ``memoryview(bo)`` is ``bo.view()``.
@@ -542,8 +545,14 @@ class Bo:
         self._count("bytes_in", nbytes)
         return nbytes
 
-    def read(self, size: int | None = None, offset: int = 0, *, dtype: Any = None,
-             count: int | None = None) -> Any:
+    @overload
+    def read(self, size: int | None = None, offset: int = 0, *, dtype: None = None, count: None = None) -> bytes: ...
+    @overload
+    def read(self, size: int | None = None, offset: int = 0, *, dtype: npt.DTypeLike,
+             count: int | None = None) -> np.ndarray: ...
+
+    def read(self, size: int | None = None, offset: int = 0, *, dtype: npt.DTypeLike | None = None,
+             count: int | None = None) -> bytes | np.ndarray:
         """Copy data out of the buffer from byte ``offset``; counts ``bytes_out``.
 
         Without ``dtype``: ``size`` bytes (default: to the end) as ``bytes``. With ``dtype`` (any fixed-size
@@ -652,7 +661,9 @@ class Bo:
         itself, so it never leaves this class)."""
         flat = self._flat_cache
         if flat is None:
-            flat = np.frombuffer((ctypes.c_ubyte * self.size).from_address(self.cpu_address), np.uint8)
+            # a ctypes array has the buffer protocol; numpy's stubs accept any buffer for Python >= 3.12 only
+            flat = np.frombuffer((ctypes.c_ubyte * self.size).from_address(self.cpu_address),  # type: ignore[call-overload]
+                                 np.uint8)
             self._flat_cache = flat
         return flat
 

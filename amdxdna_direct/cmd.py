@@ -11,7 +11,10 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 __all__ = [
     "ERT_START_CU", "ERT_START_DPU", "ERT_CMD_CHAIN", "ERT_START_NPU", "ERT_START_NPU_PREEMPT",
@@ -79,7 +82,7 @@ class Header(NamedTuple):
     state: int
     stat_enabled: int
     extra_cu_masks: int
-    count: int
+    count: int  # type: ignore[assignment]  # the ERT field's name; shadowing tuple.count is intended
     opcode: int
     type: int
 
@@ -104,12 +107,13 @@ def decode_header(word: int) -> Header:
                   (word >> 23) & 0x1F, (word >> 28) & 0xF)
 
 
-def read_state(packet) -> int:
+def read_state(packet: ReadableBuffer) -> int:
     """The state nibble of the packet header (driver-written result)."""
-    return _U32.unpack_from(packet, 0)[0] & 0xF
+    word: int = _U32.unpack_from(packet, 0)[0]
+    return word & 0xF
 
 
-def write_state(packet, state: int) -> None:
+def write_state(packet: WriteableBuffer, state: int) -> None:
     """Set the state nibble, keeping the other header fields (resubmission writes NEW, docs/uapi.md 6.6)."""
     word = _U32.unpack_from(packet, 0)[0]
     _U32.pack_into(packet, 0, (word & ~0xF) | (state & 0xF))
@@ -147,7 +151,7 @@ def payload_words(regmap_bytes: int) -> int:
     return words
 
 
-def encode_start_cu(packet, cu_index: int, regmap: bytes | bytearray) -> int:
+def encode_start_cu(packet: WriteableBuffer, cu_index: int, regmap: bytes | bytearray) -> int:
     """Write an ERT_START_CU packet (header, one cu mask word, regmap) into ``packet``.
 
     The whole ``packet`` is zeroed first: XRT does not clear recycled exec BOs, we do
@@ -170,7 +174,7 @@ def encode_start_cu(packet, cu_index: int, regmap: bytes | bytearray) -> int:
     return used
 
 
-def encode_chain(packet, handles: Sequence[int]) -> int:
+def encode_chain(packet: WriteableBuffer, handles: Sequence[int]) -> int:
     """Write an ERT_CMD_CHAIN packet listing sub-command CMD BO ``handles`` (docs/uapi.md 6.5).
 
     Payload: command_count, submit_index, error_index, reserved[3], then one u64 per handle.
@@ -202,7 +206,7 @@ class ChainInfo(NamedTuple):
     handles: tuple[int, ...]
 
 
-def decode_chain(packet) -> ChainInfo:
+def decode_chain(packet: ReadableBuffer) -> ChainInfo:
     """Decode an ERT_CMD_CHAIN packet's payload.
 
     Raises:
@@ -241,7 +245,7 @@ class Health:
 _HEALTH = struct.Struct("<8I")
 
 
-def decode_health(packet) -> Health | None:
+def decode_health(packet: ReadableBuffer) -> Health | None:
     """The health record at payload word 1, or None when the driver left none.
 
     None when the payload is the driver's 0xFF fill (docs/uapi.md 6.6) or the version word is 0.
@@ -254,7 +258,7 @@ def decode_health(packet) -> Health | None:
     return Health(*values)
 
 
-def _check_fits(packet, used: int, count: int) -> None:
+def _check_fits(packet: ReadableBuffer, used: int, count: int) -> None:
     size = len(memoryview(packet).cast("B"))
     if count > MAX_PACKET_WORDS:
         raise ValueError(f"ERT packet of {count} payload words exceeds the 11-bit count ({MAX_PACKET_WORDS})")

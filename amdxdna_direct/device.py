@@ -25,7 +25,10 @@ from .errors import DeviceLostError, NoDeviceError, XdnaError, errno_text, forma
 from .seam import OsSeam, Seam
 
 if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
     from .bo import Bo
+    from .emu import EmuDevice
     from .hwctx import HwContext
 
 __all__ = [
@@ -364,7 +367,9 @@ class _Resource:
     __slots__ = ("_fn", "_args", "alive")
 
     def __init__(self, fn: Callable[..., None], *args: Any) -> None:
-        self._fn, self._args, self.alive = fn, args, True
+        self._fn: Callable[..., None] | None = fn
+        self._args: tuple[Any, ...] = args
+        self.alive = True
 
     def __call__(self) -> None:
         with uninterrupted():       # a release runs whole; Ctrl-C is raised once it is done
@@ -372,7 +377,8 @@ class _Resource:
                 self.alive = False
                 fn, args = self._fn, self._args
                 self._fn, self._args = None, ()
-                fn(*args)
+                if fn is not None:  # always set while alive
+                    fn(*args)
 
     def detach(self) -> None:
         """Forget the action without running it."""
@@ -384,7 +390,7 @@ class DeviceFile:
     """The open device file: seam, ioctl dispatch (trace, stats, typed errors, lost latch) and the
     ordered registry of everything created on it. Buffers and contexts hold this, not the Device."""
 
-    def __init__(self, seam: Seam, emulator: Any = None, owns_emulator: bool = False) -> None:
+    def __init__(self, seam: Seam, emulator: EmuDevice | None = None, owns_emulator: bool = False) -> None:
         self.seam = seam
         self.name = seam.name
         self.emulator = emulator
@@ -402,7 +408,7 @@ class DeviceFile:
         self._finish_pending = False
         self._closing: tuple[int, threading.Event] | None = None    # (closing thread, done)
 
-    def ioctl(self, request: int, cdata, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
+    def ioctl(self, request: int, cdata: abi.CData, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
         """Issue ``request`` on the cffi struct ``cdata`` (passed as ``ffi.buffer``).
 
         Raises:
@@ -411,11 +417,12 @@ class DeviceFile:
         """
         return self.ioctl_buffer(request, abi.ffi.buffer(cdata), fields, hint)
 
-    def ioctl_buffer(self, request: int, buf, fields: Mapping[str, Any] | None = None, hint: str = "") -> int:
+    def ioctl_buffer(self, request: int, buf: WriteableBuffer, fields: Mapping[str, Any] | None = None,
+                     hint: str = "") -> int:
         """``ioctl`` on a raw writable buffer (same errors)."""
         return self.ioctl_named(request, trace.describe_request(request)[0], buf, fields, hint)
 
-    def ioctl_named(self, request: int, name: str, buf, fields: Mapping[str, Any] | None = None,
+    def ioctl_named(self, request: int, name: str, buf: WriteableBuffer, fields: Mapping[str, Any] | None = None,
                     hint: str = "") -> int:
         """``ioctl_buffer`` for a request whose short ``name`` the caller already knows (the dispatch path:
         EXEC_CMD and the waits), without looking it up per call. Same errors."""
@@ -646,7 +653,7 @@ class Device:
     ``stats`` counts ioctls by name plus ``bytes_in`` / ``bytes_out`` copied through ``Bo.write`` / ``read``.
     """
 
-    def __init__(self, seam: Seam, *, emulator: Any = None, owns_emulator: bool = False) -> None:
+    def __init__(self, seam: Seam, *, emulator: EmuDevice | None = None, owns_emulator: bool = False) -> None:
         """Wrap an open seam and check that the driver behind it is amdxdna.
 
         Raises:
@@ -696,7 +703,7 @@ class Device:
         return TXN_DEV_GEN.get(self.generation or "")
 
     @property
-    def emulator(self) -> Any:
+    def emulator(self) -> EmuDevice | None:
         """The ``EmuDevice`` behind this device, or None on real hardware."""
         return self.file.emulator
 
@@ -733,7 +740,7 @@ class Device:
 
     # -- ioctls --------------------------------------------------------------------------------
 
-    def raw_ioctl(self, request: int, buf) -> int:
+    def raw_ioctl(self, request: int, buf: WriteableBuffer) -> int:
         """Issue any ioctl with a writable buffer, through the trace, stats and error mapping.
 
         Raises:
@@ -770,7 +777,7 @@ class Device:
         return DriverVersion(text["name"], ver.version_major, ver.version_minor, ver.version_patchlevel,
                              text["date"], text["desc"])
 
-    def _get_info(self, param_name: str, ctype: str, count: int = 1):
+    def _get_info(self, param_name: str, ctype: str, count: int = 1) -> abi.CData:
         ffi = abi.ffi
         param = getattr(abi, param_name)
         out = ffi.new(f"{ctype}[]", count)
@@ -904,7 +911,7 @@ class Device:
         size = abi.ffi.sizeof("struct amdxdna_drm_query_hwctx")
         # The returned buffer_size changed meaning across versions (docs/uapi.md 10): entries are counted by what
         # can be verified, context ids start at 1 and a zeroed slot is unused.
-        return [HwContextEntry(*(getattr(e, name) for name in _QUERY_FIELDS), element_size=size,
+        return [HwContextEntry(**{name: getattr(e, name) for name in _QUERY_FIELDS}, element_size=size,
                                source="QUERY_HW_CONTEXTS")
                 for e in out if e.context_id != 0]
 
@@ -1103,7 +1110,7 @@ def create_bo(file: DeviceFile, size: int, bo_type: int, type_name: str) -> int:
         if req.handle:
             release_steps(lambda: gem_close(file, req.handle))
         raise
-    return req.handle
+    return int(req.handle)
 
 
 def get_bo_info(file: DeviceFile, handle: int) -> BoInfo:
@@ -1222,7 +1229,7 @@ def unmap(file: DeviceFile, addr: int, length: int) -> None:
 # opening
 
 
-def open_device(spec: Any = None) -> Device:
+def open_device(spec: str | os.PathLike[str] | EmuDevice | None = None) -> Device:
     """Open a device.
 
     ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device; the emulator is
@@ -1278,7 +1285,7 @@ def _open_path(path: str) -> OsSeam:
         hint = _PERMISSION_HINT if exc.errno in (errno.EACCES, errno.EPERM) else ""
         if exc.errno in (errno.ENOENT, errno.ENXIO):
             hint = _NO_DEVICE_HINT
-        raise ioctl_error("open", {"path": path}, exc.errno, hint) from exc
+        raise ioctl_error("open", {"path": path}, exc.errno or errno.EIO, hint) from exc
 
 
 def _discover() -> Device:

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,9 @@ from .errors import ContextUnavailableError, DeviceLostError, XdnaError, errno_t
 from .hwctx import create_hwctx, release_context
 from .insts import BlockWrite, DdrPatch
 from .xclbin import Xclbin, build_mlir_aie
+
+if TYPE_CHECKING:
+    from .emu import EmuDevice, Model
 
 __all__ = [
     "PASS", "INFO", "WARN", "FAIL", "SKIP", "DEVICE_CHECKS", "MEMLOCK_NEEDED", "NPU_DEVICE_IDS", "LOG_RULES",
@@ -141,11 +144,16 @@ class Identity:
         return cls(uid=uid, gids=frozenset(gids), name=name)
 
 
+def _errno_name(err: int | None) -> str:
+    """``"ENOENT"`` for an errno value; its number when it has no name, ``"None"`` for an OSError without one."""
+    return str(err) if err is None else errno.errorcode.get(err, str(err))
+
+
 def _read_colon_file(path: Path, what: str) -> list[list[str]]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise LookupError(f"{what}: cannot read {path}: {errno.errorcode.get(exc.errno, exc.errno)}") from exc
+        raise LookupError(f"{what}: cannot read {path}: {_errno_name(exc.errno)}") from exc
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
@@ -240,7 +248,7 @@ def _has_cap_ipc_lock() -> bool:
     except OSError:
         return False
     match = re.search(r"^CapEff:\s*([0-9a-fA-F]+)$", text, re.MULTILINE)
-    return bool(match) and bool(int(match.group(1), 16) >> CAP_IPC_LOCK & 1)
+    return match is not None and bool(int(match.group(1), 16) >> CAP_IPC_LOCK & 1)
 
 
 def _run(command: Sequence[str], *args: str) -> tuple[str | None, str]:
@@ -599,7 +607,7 @@ def _try_open(node: Path, fix: str, host: Host) -> CheckResult:
     try:
         fd = os.open(node, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
-        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        name = _errno_name(exc.errno)
         if exc.errno == errno.EPERM:
             cgroup_fix = (_container_node_fix(host.container) if host.in_container
                           else "a device cgroup or LSM policy denies the node")
@@ -732,7 +740,7 @@ def kernel_log(host: Host, log: Path | None = None) -> KernelLog:
     try:
         return KernelLog(tuple(parse_kernel_records(read_kernel_log(path))), str(path))
     except OSError as exc:
-        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        name = _errno_name(exc.errno)
         denied = exc.errno in (errno.EACCES, errno.EPERM)  # kernel.dmesg_restrict=1 needs CAP_SYSLOG
         kmsg_error = f"{path} not readable ({name})"
     if log is not None or host.journal is None:
@@ -959,7 +967,7 @@ def classify(lines: Iterable[LogLine], rules: Sequence[LogRule] = LOG_RULES,
     come most severe first, in rule order within a verdict.
     """
     ctx = context or LogContext()
-    hits: dict[tuple[str, tuple], list[Any]] = {}
+    hits: dict[tuple[str, str | tuple[tuple[str, str], ...]], list[Any]] = {}
     for line in lines:
         for rule in rules:
             match = rule.regex.search(line.text)
@@ -1003,7 +1011,8 @@ def _probe_failure(findings: Sequence[Finding]) -> Finding | None:
     """The most specific failed-probe finding: a cause (PASID, firmware, protocol) before the generic line."""
     failed = [f for f in findings if f.probe and f.verdict == FAIL]
     specific = [f for f in failed if f.rule != "probe-failed"]
-    return (specific or failed or [None])[0]
+    chosen = specific or failed
+    return chosen[0] if chosen else None
 
 
 def kernel_log_result(log: KernelLog, findings: Sequence[Finding]) -> CheckResult:
@@ -1194,12 +1203,14 @@ def _load(what: str, loader: Any, source: Any) -> Any:
     try:
         return loader(source)
     except OSError as exc:
-        raise ValueError(f"{what} {name}: {errno_text(exc.errno)}") from exc
+        raise ValueError(f"{what} {name}: {errno_text(exc.errno) if exc.errno is not None else exc}") from exc
     except ValueError as exc:
         raise ValueError(f"{what} {name}: {exc}") from exc
 
 
 def _emulator_design(dev: Device) -> tuple[Xclbin, insts_mod.Stream]:
+    if dev.emulator is None:        # check_self_test asks for it on the emulator only
+        raise ValueError(f"{dev.name}: only the emulator has a bundled self-test design")
     dev_gen = dev.emulator.profile.txn_dev_gen
     stream = insts_mod.dma_stream(dev_gen, [(0, SELF_TEST_BYTES, "in"), (1, SELF_TEST_BYTES, "out")])
     # The emulator does not interpret the PDI; a recognisable filler keeps the design self-describing.
@@ -1225,12 +1236,15 @@ def stream_extents(stream: insts_mod.Stream) -> dict[int, int]:
     return extents
 
 
-def bind_model(emulator: Any, stream: Any, model: Any) -> str:
+def bind_model(emulator: EmuDevice | None, stream: insts_mod.Stream, model: Model) -> str:
     """Bind ``model`` to the instruction stream on ``emulator``, replacing a model bound to it before.
 
     Returns the stream digest. Raises:
         ValueError, TypeError: from the emulator's registry (malformed stream or model).
+        TypeError: ``emulator`` is None (a real device: models exist on the emulator only).
     """
+    if emulator is None:
+        raise TypeError("bind_model: models bind on the emulator only; this device has no emulator (a real NPU)")
     data = insts_mod.encode(stream)
     if data in emulator.models:
         emulator.models.unbind(data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = [
@@ -45,6 +45,8 @@ class XdnaError(Error, OSError):
     ``str()`` is the full message (operation, fields, errno name), not OSError's ``[Errno n]`` form.
     """
 
+    errno: int      # always set: the constructor takes it
+
     def __init__(self, err: int, message: str) -> None:
         super().__init__(err, message)
         self.message = message
@@ -52,7 +54,8 @@ class XdnaError(Error, OSError):
     def __str__(self) -> str:
         return self.message
 
-    def __reduce__(self):  # keep pickling (multiprocessing, pytest-xdist) working with our __init__
+    def __reduce__(self) -> tuple[Callable[..., XdnaError], tuple[object, ...]]:
+        # keep pickling (multiprocessing, pytest-xdist) working with our __init__
         return (type(self), (self.errno, self.message))
 
 
@@ -89,12 +92,15 @@ class CommandError(XdnaError):
         self.health = health
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., CommandError], tuple[object, ...]]:
         return (_rebuild_command_error, (type(self), self.errno, self.message,
                                          (self.kernel, self.state, self.seq, self.index, self.health, self.reason)))
 
 
-def _rebuild_command_error(cls, err, message, fields):
+_CommandFields = tuple[str | None, str | None, int | None, int | None, Any, str | None]
+
+
+def _rebuild_command_error(cls: type[CommandError], err: int, message: str, fields: _CommandFields) -> CommandError:
     kernel, state, seq, index, health, reason = fields
     return cls(err, message, kernel=kernel, state=state, seq=seq, index=index, health=health, reason=reason)
 

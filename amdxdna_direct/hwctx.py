@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -334,10 +334,12 @@ class HwContext:
         if self._closed:
             return
         self._closed = True
-        steps = [run.close for run in list(self._runs)]
+        steps: list[Callable[[], Any]] = [run.close for run in list(self._runs)]
         steps += [prepared.bo.close for prepared in self._uploads]
+        if self._release is not None:       # None only while __init__ runs
+            steps.append(self._release)
         try:
-            release_steps(*steps, self._release)    # every step runs, a Ctrl-C in one included
+            release_steps(*steps)    # every step runs, a Ctrl-C in one included
         finally:
             self._finalizer.detach()
 
@@ -457,12 +459,14 @@ class Instructions:
             RuntimeError: a run of this stream is in flight (wait for it first).
             XdnaError: the buffer (or its context) is closed, or SYNC_BO failed.
         """
+        from .kernel import Run
+
         index, values = _word_pairs(words, self.nwords)
         ctx = self.ctx
         ctx.check_open("set_insts_words")
         with ctx._lock, contextlib.ExitStack() as held:
             # Holding the runs' locks keeps them from starting while the words change.
-            runs = [run for run in list(ctx._runs) if getattr(run, "insts", None) is self]
+            runs = [run for run in list(ctx._runs) if isinstance(run, Run) and run.insts is self]
             for run in runs:
                 held.enter_context(run._lock)
             held.enter_context(ctx._claims)

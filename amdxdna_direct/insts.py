@@ -271,7 +271,8 @@ def stream_bytes(raw: bytes) -> bytes:
     return bytes(raw)
 
 
-def read_input(data: bytes | str | os.PathLike[str], operation: str, kind: str = "insts") -> bytes:
+def read_input(data: bytes | bytearray | memoryview | str | os.PathLike[str], operation: str,
+               kind: str = "insts") -> bytes:
     """The bytes of ``data``: a bytes-like object as is, or the content of the file it names, read by
     :func:`amdxdna_direct.files.read_file` as a file of ``kind`` (a regular file within that kind's size
     limit, docs/files.md).

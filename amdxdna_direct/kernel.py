@@ -13,7 +13,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -25,6 +25,9 @@ from .device import release_steps
 from .errors import CommandError, CommandTimeout, DeviceLostError, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from .device import CpuMapping
     from .hwctx import ComputeUnit, HwContext, Instructions
 
 __all__ = ["Kernel", "Run", "RunList", "BufferExtent", "CMD_BO_SIZE", "DEFAULT_TIMEOUT", "FOREVER", "MAX_REGMAP_BYTES",
@@ -295,7 +298,7 @@ class _Pin:
 
     def __init__(self, lock: threading.Lock) -> None:
         self.lock = lock
-        self.mappings: tuple = ()
+        self.mappings: tuple[CpuMapping, ...] = ()
         self.closed = False
 
     def hold(self, bos: Iterable[Bo], what: str) -> None:
@@ -304,7 +307,7 @@ class _Pin:
         Raises:
             XdnaError: a buffer is closed (what was held so far is released).
         """
-        held: list = []
+        held: list[CpuMapping] = []
         try:
             for bo in bos:
                 held.extend(bo.hold(what))
@@ -665,7 +668,8 @@ class _Exec:
         req = self.req
         req.seq = _NO_SEQ
         self.file.ioctl_named(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, "EXEC_CMD", self.buf, self.fields)
-        return req.seq
+        seq: int = req.seq
+        return seq
 
     def landed(self) -> int | None:
         """After ``submit`` raised: the seq the driver answered when it took the command before the exception
@@ -681,14 +685,14 @@ def _emulator_reason(ctx: HwContext, seq: int) -> str | None:
     emulator = ctx.device.emulator
     if emulator is None:
         return None
-    lookup = getattr(ctx.device.file.seam, "command_reason", None)
+    lookup: Callable[[int, int], str | None] | None = getattr(ctx.device.file.seam, "command_reason", None)
     if lookup is not None:
         return lookup(ctx.handle, seq)
     return emulator.command_reason(ctx.handle, seq)
 
 
-def _command_error(kernel: str, state: int, seq: int, ctx: HwContext, packet, index: int | None = None,
-                   health_packet=None) -> CommandError:
+def _command_error(kernel: str, state: int, seq: int, ctx: HwContext, packet: ReadableBuffer,
+                   index: int | None = None, health_packet: ReadableBuffer | None = None) -> CommandError:
     name = cmd.state_name(state)
     err = _FAILED_STATES.get(state, errno.EINVAL)
     health = cmd.decode_health(health_packet if health_packet is not None else packet) \
@@ -886,7 +890,9 @@ class RunList:
         with self._lock:
             if self._stale():
                 self._check_open("wait")
-            submitted = [chain for chain in self.chains if chain.seq is not None]
+            # each chain's seq as of now: a restart from another thread rewrites chain.seq (None first) while this
+            # wait runs outside the lock, and is caught by the submission count below
+            submitted = [(chain, chain.seq) for chain in self.chains if chain.seq is not None]
             if not submitted:
                 raise RuntimeError("RunList was never started")
             flying, submission = self._in_flight, self._submission
@@ -894,8 +900,8 @@ class RunList:
         if flying:
             # Timeline points signal in order: the last chain's point covers the earlier ones.
             # WAIT_CMD waits for one seq only, so without a syncobj every chain is waited for.
-            for chain in (submitted[-1:] if self.ctx.syncobj else submitted):
-                self._wait.wait(chain.seq, timeout, what)
+            for _, seq in (submitted[-1:] if self.ctx.syncobj else submitted):
+                self._wait.wait(seq, timeout, what)
         with self._lock:
             if self._stale():
                 self._check_open("wait")
@@ -904,13 +910,13 @@ class RunList:
             if flying and self._in_flight:
                 self._in_flight = False
                 self._release_runs()
-            failures = [f for f in (self._collect(chain) for chain in submitted) if f is not None]
+            failures = [f for f in (self._collect(chain, seq) for chain, seq in submitted) if f is not None]
             if not failures:
                 return list(self.states)
             error = failures[0]
         raise _classified(error, self.ctx)
 
-    def _collect(self, chain: _Chain) -> CommandError | None:
+    def _collect(self, chain: _Chain, seq: int) -> CommandError | None:
         state = chain.head[0] & 0xF
         n = len(chain.runs)
         if state == cmd.ERT_CMD_STATE_COMPLETED:
@@ -926,7 +932,7 @@ class RunList:
         run = chain.runs[error_index]
         index = chain.first + error_index
         # On failure the driver writes the health record into the first sub-command's payload (docs/uapi.md 6.6).
-        return _command_error(run.kernel.name, state, chain.seq, self.ctx, chain.view, index=index,
+        return _command_error(run.kernel.name, state, seq, self.ctx, chain.view, index=index,
                               health_packet=chain.runs[0]._view)
 
     def _check_open(self, what: str) -> None:

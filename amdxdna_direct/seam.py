@@ -10,9 +10,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from . import abi
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = ["Seam", "OsSeam", "dmabuf_size"]
 
@@ -35,7 +38,7 @@ class Seam(Protocol):
 
     name: str
 
-    def ioctl(self, request: int, buf) -> int:
+    def ioctl(self, request: int, buf: WriteableBuffer) -> int:
         """Issue ``request`` with the writable ``buf`` (results written in place); raise OSError on failure."""
         ...
 
@@ -71,7 +74,7 @@ class OsSeam:
     def __repr__(self) -> str:
         return f"OsSeam({self.name!r}, fd={self.fd})"
 
-    def ioctl(self, request: int, buf) -> int:
+    def ioctl(self, request: int, buf: WriteableBuffer) -> int:
         """``ioctl(fd, request, buf)`` with results written back into ``buf``.
 
         Retried after EINTR (as PEP 475 does for other syscalls): the ioctls that block are safe to
@@ -83,7 +86,9 @@ class OsSeam:
         """
         while True:
             try:
-                return fcntl.ioctl(self._live_fd(), request, buf, True)
+                # a writable buffer with mutate_flag=True makes ioctl return the syscall's int result (fcntl
+                # docs); typeshed answers Any because it cannot tell a writable buffer from a read-only one
+                return cast(int, fcntl.ioctl(self._live_fd(), request, buf, True))
             except InterruptedError:
                 continue
 

@@ -17,9 +17,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO, TypedDict
 
 from . import abi
 from .errors import errno_text, format_call, format_fields
+
+if TYPE_CHECKING:
+    import cffi
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 __all__ = ["Tracer", "TRACER", "enabled", "enable", "disable", "decode", "describe_request"]
 
@@ -36,7 +41,7 @@ def describe_request(request: int) -> tuple[str, str | None]:
     return entry[0], entry[1]
 
 
-def decode(ctype: str | None, buf) -> dict[str, object]:
+def decode(ctype: str | None, buf: ReadableBuffer) -> dict[str, object]:
     """The top-level fields of ``buf`` read as C struct ``ctype`` (integers and pointers as ints).
 
     Nested structs and arrays are shown by their cffi repr; an unknown type yields ``{}``, a buffer
@@ -61,7 +66,7 @@ def decode(ctype: str | None, buf) -> dict[str, object]:
     return fields
 
 
-def _compound(ffi, value, ctype) -> object:
+def _compound(ffi: Any, value: abi.CData, ctype: cffi.FFI.CType) -> object:
     if ctype.kind == "array" and ctype.item.kind == "primitive":
         return list(value)
     return ffi.string(value) if ctype.kind == "array" and ctype.item.cname == "char" else repr(value)
@@ -76,10 +81,11 @@ class Tracer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {}
         self.errors: Counter[str] = Counter()
 
-    def call(self, seam_name: str, request: int, buf, issue: Callable[[int, object], int]) -> int:
+    def call(self, seam_name: str, request: int, buf: WriteableBuffer,
+             issue: Callable[[int, WriteableBuffer], int]) -> int:
         """Run ``issue(request, buf)``, timing it and logging it decoded.
 
         Raises:
@@ -107,7 +113,7 @@ class Tracer:
     def _record(self, name: str, elapsed: float, failed: bool) -> None:
         with self._lock:
             self.counts[name] += 1
-            self.seconds[name] += elapsed
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
             if failed:
                 self.errors[name] += 1
 
@@ -136,12 +142,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e6:.1f}us"
 
 
+class _State(TypedDict):
+    enabled: bool
+    atexit: bool
+    handlers: list[logging.Handler]     # the ones enable() attached
+    propagate: bool | None              # the trace logger's propagate before enable() turned it off
+
+
 TRACER = Tracer()
-_state: dict = {"enabled": False, "atexit": False, "handlers": [], "propagate": None}
+_state: _State = {"enabled": False, "atexit": False, "handlers": [], "propagate": None}
 _OWN = "_amdxdna_trace_handler"  # marks the handlers enable() attached, so that none is attached twice
 
 
-def _trace_handler(stream) -> logging.Handler:
+def _trace_handler(stream: TextIO) -> logging.Handler:
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter(TRACE_FORMAT))
     setattr(handler, _OWN, True)
@@ -153,7 +166,7 @@ def enabled() -> bool:
     return _state["enabled"]
 
 
-def enable(stream=None) -> logging.Handler | None:
+def enable(stream: TextIO | None = None) -> logging.Handler | None:
     """Start tracing; with ``stream``, also attach a handler writing the log lines to it.
 
     Without ``stream``, a handler writing to stderr is attached when the trace logger has none yet (so

@@ -21,15 +21,26 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 from fixture_files import SHARED
-from pycparser import c_ast, c_parser
+from pycparser import c_ast, c_parser  # type: ignore[import-untyped]  # ships no type information
 
 from amdxdna_direct import abi
+
+if TYPE_CHECKING:
+    import _cffi_backend
+    import cffi
+
+    #: An FFI a proof reads: the module's (cffi's out-of-line object) or one parsed from headers (``abi.build_ffi``).
+    FFI = _cffi_backend.FFI | cffi.FFI
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 HEADERS = REPO / "headers"
@@ -53,6 +64,20 @@ def _check_requirements(request: pytest.FixtureRequest) -> None:
             if IN_CI:
                 pytest.fail(f"{mark.kwargs['reason']}; .ci/run installs it, so CI must run this proof")
             pytest.skip(mark.kwargs["reason"])
+
+
+def matched(pattern: str, text: str, flags: int = 0) -> re.Match[str]:
+    """The first match of ``pattern`` in ``text``; the test fails when there is none."""
+    match = re.search(pattern, text, flags)
+    assert match is not None, f"{pattern!r} not found in {text[:200]!r}"
+    return match
+
+
+def present(found: T | None) -> T:
+    """What a test's ``requires`` mark made sure of (without it the test is skipped, or failed in CI)."""
+    if found is None:
+        pytest.fail("a test ran without the tool or header it needs: its requires mark is missing")
+    return found
 
 
 needs_gcc = requires(GCC is not None, "gcc is not on PATH (apt-get install gcc)")
@@ -113,7 +138,7 @@ def compare_constants(reference: dict[str, int], ours: dict[str, int], oracle: s
 # ---------------------------------------------------------------------------------------------
 # cffi's view
 
-def cffi_layouts(ffi) -> dict[str, Layout]:
+def cffi_layouts(ffi: FFI) -> dict[str, Layout]:
     """Every struct and union of a cdef, with all members (anonymous members flattened as C does)."""
     _, structs, unions = ffi.list_types()
     tags = [f"struct {name}" for name in structs] + [f"union {name}" for name in unions]
@@ -121,7 +146,7 @@ def cffi_layouts(ffi) -> dict[str, Layout]:
             for tag in tags}
 
 
-def _cffi_fields(ffi, ctype, prefix: str, base: int):
+def _cffi_fields(ffi: FFI, ctype: cffi.FFI.CType, prefix: str, base: int) -> Iterator[tuple[str, Field]]:
     for name, field in ctype.fields:
         path, offset, ftype = prefix + name, base + field.offset, field.type
         if field.bitsize >= 0:
@@ -183,7 +208,7 @@ def run_probe(source: str, workdir: Path, flags: tuple[str, ...] = ()) -> tuple[
     """Compile and run a probe with gcc; parse what it prints."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "probe.c").write_text(source)
-    cmd = [GCC, "-std=gnu11", "-O0", "-Wall", "-Werror=incompatible-pointer-types",
+    cmd = [present(GCC), "-std=gnu11", "-O0", "-Wall", "-Werror=incompatible-pointer-types",
            "-Werror=implicit-function-declaration", *flags, "-o", str(workdir / "probe"), str(workdir / "probe.c")]
     built = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if built.returncode != 0:
@@ -238,7 +263,8 @@ def extract_block(text: str, keyword: str, name: str) -> str | None:
     return None
 
 
-def foreign_definitions(header: Path, struct_names, enum_names) -> tuple[dict[str, dict[str, str]], dict[str, list]]:
+def foreign_definitions(header: Path, struct_names: Iterable[str],
+                        enum_names: Iterable[str]) -> tuple[dict[str, dict[str, str]], dict[str, list[str]]]:
     """Members (path -> kind) of each named struct, and enumerator names of each named enum, found in ``header``."""
     text = strip_c(header.read_text(errors="replace"))
     prelude = "typedef int " + ", ".join(_PARSER_TYPES) + ";\n"
@@ -256,7 +282,7 @@ def foreign_definitions(header: Path, struct_names, enum_names) -> tuple[dict[st
     return structs, enums
 
 
-def _ast_members(decls, prefix: str):
+def _ast_members(decls: Iterable[Any] | None, prefix: str) -> Iterator[tuple[str, str]]:  # pycparser nodes
     for decl in decls or ():
         dtype = decl.type
         if decl.name is None:  # anonymous struct/union member: its members belong to the parent
@@ -281,11 +307,11 @@ def defined_macros(header: Path) -> set[str]:
 # ---------------------------------------------------------------------------------------------
 # our side, for a given FFI (the real one, or one built from an altered copy)
 
-def our_constants(ffi) -> dict[str, int]:
+def our_constants(ffi: FFI) -> dict[str, int]:
     return abi.integer_constants(ffi.dlopen(None))
 
 
-def our_enums(ffi, directory: Path) -> dict[str, dict[str, int]]:
+def our_enums(ffi: FFI, directory: Path) -> dict[str, dict[str, int]]:
     """Enumerators of each enum tag declared in our headers, by tag."""
     return {name: dict(ffi.typeof(f"enum {name}").relements) for name in enum_tags(directory)}
 
@@ -296,7 +322,7 @@ def enum_tags(directory: Path) -> list[str]:
     return re.findall(r"\benum\s+(\w+)\s*\{", text)
 
 
-def with_ert_header_bits(ffi, layouts: dict[str, Layout]) -> dict[str, Layout]:
+def with_ert_header_bits(ffi: FFI, layouts: dict[str, Layout]) -> dict[str, Layout]:
     """Add the ERT_HDR_<FIELD>_SHIFT/_MASK constants as bit-fields of every ert struct's ``header`` word.
 
     XRT declares the header as C bit-fields; we declare a plain word plus shift/mask pairs
@@ -314,7 +340,9 @@ def with_ert_header_bits(ffi, layouts: dict[str, Layout]) -> dict[str, Layout]:
     result = dict(layouts)
     for tag, layout in layouts.items():
         if tag.startswith("struct ert_") and "header" in layout.fields:
-            base = layout.fields["header"].offset * 8
+            header = layout.fields["header"].offset
+            assert header is not None, f"{tag}.header is a bit-field"
+            base = header * 8
             extra = {path: Field(None, None, (base + shift, width)) for path, (shift, width) in bits.items()}
             result[tag] = Layout(layout.size, layout.align, {**layout.fields, **extra})
     return result
@@ -326,7 +354,8 @@ def with_ert_header_bits(ffi, layouts: dict[str, Layout]) -> dict[str, Layout]:
 OUR_INCLUDES = "\n".join(f'#include "{name}"' for name in abi.HEADER_FILES)
 
 
-def _gcc_on_our_headers(workdir: Path, directory: Path):
+def _gcc_on_our_headers(workdir: Path,
+                        directory: Path) -> tuple[dict[str, Layout], tuple[dict[str, Layout], dict[str, int]]]:
     ffi = abi.build_ffi(directory)
     mine = cffi_layouts(ffi)
     source = probe_source(OUR_INCLUDES, {tag: member_kinds(layout) for tag, layout in mine.items()},
@@ -335,7 +364,7 @@ def _gcc_on_our_headers(workdir: Path, directory: Path):
 
 
 @needs_gcc
-def test_gcc_and_cffi_agree_on_every_struct_and_field(tmp_path):
+def test_gcc_and_cffi_agree_on_every_struct_and_field(tmp_path: Path) -> None:
     mine, (gcc_layouts, _) = _gcc_on_our_headers(tmp_path, HEADERS)
     assert len(mine) >= 60, "the cdef should declare the whole uAPI, DRM, ERT and axlf set"
     assert set(gcc_layouts) == set(mine)
@@ -344,7 +373,7 @@ def test_gcc_and_cffi_agree_on_every_struct_and_field(tmp_path):
 
 
 @needs_gcc
-def test_gcc_and_cffi_agree_on_every_constant(tmp_path):
+def test_gcc_and_cffi_agree_on_every_constant(tmp_path: Path) -> None:
     _, (_, gcc_constants) = _gcc_on_our_headers(tmp_path, HEADERS)
     mine = our_constants(abi.ffi)
     assert len(mine) > 100
@@ -374,7 +403,7 @@ def request_numbers() -> dict[str, int]:
     return {name: getattr(abi, name) for name in dir(abi) if name.startswith("DRM_IOCTL_") and name != "DRM_IOCTL_BASE"}
 
 
-def system_comparison(ffi, directory: Path, header: tuple[Path, str], includes: str, workdir: Path) -> list[str]:
+def system_comparison(ffi: FFI, directory: Path, header: tuple[Path, str], includes: str, workdir: Path) -> list[str]:
     """Every struct / field / mirrored enum / shared macro of a system header, compared with ours."""
     root, relative = header
     path = root / relative
@@ -408,21 +437,22 @@ needs_xrt_h = requires(XCLBIN_H is not None and ERT_H is not None,
 
 
 def drm_includes() -> str:
-    return f"#include <fcntl.h>\n#include <{DRM_H[1]}>"
+    return f"#include <fcntl.h>\n#include <{present(DRM_H)[1]}>"
 
 
 @needs_gcc
 @needs_drm_h
-def test_drm_subset_matches_libdrm(tmp_path):
-    problems = system_comparison(abi.ffi, HEADERS, DRM_H, drm_includes(), tmp_path)
+def test_drm_subset_matches_libdrm(tmp_path: Path) -> None:
+    problems = system_comparison(abi.ffi, HEADERS, present(DRM_H), drm_includes(), tmp_path)
     assert problems == []
 
 
 @needs_gcc
 @needs_drm_h
-def test_drm_comparison_covers_every_drm_struct_and_request(tmp_path):
+def test_drm_comparison_covers_every_drm_struct_and_request(tmp_path: Path) -> None:
     # the comparison above is only worth something if it saw our structs and requests
-    path = DRM_H[0] / DRM_H[1]
+    root, relative = present(DRM_H)
+    path = root / relative
     structs, _ = foreign_definitions(path, [tag[7:] for tag in cffi_layouts(abi.ffi) if tag.startswith("struct drm_")],
                                      [])
     assert len(structs) == 10
@@ -431,26 +461,27 @@ def test_drm_comparison_covers_every_drm_struct_and_request(tmp_path):
 
 @needs_gcc
 @needs_xrt_h
-def test_axlf_structs_match_xrt(tmp_path):
-    includes = f"#include <{XCLBIN_H[1]}>"
-    problems = system_comparison(abi.ffi, HEADERS, XCLBIN_H, includes, tmp_path)
+def test_axlf_structs_match_xrt(tmp_path: Path) -> None:
+    includes = f"#include <{present(XCLBIN_H)[1]}>"
+    problems = system_comparison(abi.ffi, HEADERS, present(XCLBIN_H), includes, tmp_path)
     assert problems == []
 
 
 @needs_gcc
 @needs_xrt_h
-def test_ert_structs_and_header_bits_match_xrt(tmp_path):
-    includes = f"#include <stdbool.h>\n#include <{ERT_H[1]}>"
-    problems = system_comparison(abi.ffi, HEADERS, ERT_H, includes, tmp_path)
+def test_ert_structs_and_header_bits_match_xrt(tmp_path: Path) -> None:
+    includes = f"#include <stdbool.h>\n#include <{present(ERT_H)[1]}>"
+    problems = system_comparison(abi.ffi, HEADERS, present(ERT_H), includes, tmp_path)
     assert problems == []
-    structs, enums = foreign_definitions(ERT_H[0] / ERT_H[1], ["ert_packet", "ert_start_kernel_cmd"],
+    root, relative = present(ERT_H)
+    structs, enums = foreign_definitions(root / relative, ["ert_packet", "ert_start_kernel_cmd"],
                                          ["ert_cmd_opcode", "ert_cmd_state"])
     assert structs["struct ert_start_kernel_cmd"]["count"] == BIT, "XRT's bit-fields are what gets compared"
     assert "ERT_START_CU" in enums["ert_cmd_opcode"]
 
 
 @needs_gcc
-def test_libc_subset_matches_glibc(tmp_path):
+def test_libc_subset_matches_glibc(tmp_path: Path) -> None:
     text = (HEADERS / "libc.h").read_text()
     mine = our_constants(abi.build_ffi(HEADERS))
     names = sorted(set(re.findall(r"^#define\s+(\w+)", text, flags=re.M)))
@@ -495,7 +526,7 @@ def _fact_values(tokens: list[str]) -> dict[str, int]:
     return values
 
 
-def facts_mismatches(ffi, sizes: dict[str, int], offsets: dict[tuple[str, str], int]) -> list[str]:
+def facts_mismatches(ffi: FFI, sizes: dict[str, int], offsets: dict[tuple[str, str], int]) -> list[str]:
     problems = []
     for name, size in sorted(sizes.items()):
         if ffi.sizeof(f"struct {name}") != size:
@@ -507,19 +538,19 @@ def facts_mismatches(ffi, sizes: dict[str, int], offsets: dict[tuple[str, str], 
 
 
 @cache
-def spec_facts():
+def spec_facts() -> tuple[dict[str, int], dict[tuple[str, str], int], dict[str, int]]:
     return read_facts(SPEC / "abi-facts-amdxdna.txt", SPEC / "abi-facts-drm.txt")
 
 
 @needs_spec
-def test_every_size_and_offset_of_the_abi_facts():
+def test_every_size_and_offset_of_the_abi_facts() -> None:
     sizes, offsets, _ = spec_facts()
     assert len(sizes) == 47 and len(offsets) == 224  # every line of both files was read (unknown lines raise)
     assert facts_mismatches(abi.ffi, sizes, offsets) == []
 
 
 @needs_spec
-def test_every_request_number_and_flag_of_the_abi_facts():
+def test_every_request_number_and_flag_of_the_abi_facts() -> None:
     _, _, values = spec_facts()
     assert len(values) == 24
     assert {name: getattr(abi, name, None) for name in values} == values
@@ -531,7 +562,7 @@ def spec_table_rows(markdown: str, start: str, end: str, pattern: str) -> list[t
 
 
 @needs_spec
-def test_amdxdna_request_table_of_spec_section_1a():
+def test_amdxdna_request_table_of_spec_section_1a() -> None:
     text = (SPEC / "amdxdna-uapi.md").read_text()
     rows = spec_table_rows(text, "### 1a.", "### 1b.",
                            r"^\| (\d+) \| (\w+) \| ([^|]*)\| (\w+) \((\d+)\) \| (0x[0-9A-Fa-f]+) \|")
@@ -547,7 +578,7 @@ def test_amdxdna_request_table_of_spec_section_1a():
 
 
 @needs_spec
-def test_drm_core_request_table_of_spec_section_5():
+def test_drm_core_request_table_of_spec_section_5() -> None:
     text = (SPEC / "amdxdna-uapi.md").read_text()
     rows = spec_table_rows(text, "## 5. DRM core", "**Upstream wait model",
                            r"^\| ([A-Z_]+) \| (0x[0-9A-Fa-f]+) \| (\w+) \((\d+)[^|]*\| (0x[0-9A-Fa-f]+)")
@@ -609,12 +640,12 @@ def flat_offsets(table: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]
     return {(struct, member): offset for struct, members in table.items() for member, offset in members.items()}
 
 
-def test_axlf_layout_of_spec_section_3():
+def test_axlf_layout_of_spec_section_3() -> None:
     assert facts_mismatches(abi.ffi, AXLF_SIZES, flat_offsets(AXLF_OFFSETS)) == []
     assert (abi.AIE_PARTITION, abi.MEM_TOPOLOGY, abi.IP_LAYOUT, abi.IP_PS_KERNEL, abi.CT_PRIMARY) == (32, 6, 8, 7, 1)
 
 
-def test_ert_packet_layout_of_spec_section_6():
+def test_ert_packet_layout_of_spec_section_6() -> None:
     ffi = abi.ffi
     # 6.1: header bit fields
     header = (abi.ERT_CMD_STATE_NEW | 15 << abi.ERT_HDR_COUNT_SHIFT | abi.ERT_START_CU << abi.ERT_HDR_OPCODE_SHIFT
@@ -636,7 +667,7 @@ def test_ert_packet_layout_of_spec_section_6():
 @needs_spec
 @needs_drm_h
 @needs_xrt_h
-def test_every_struct_and_field_of_the_headers_is_pinned_by_an_independent_oracle():
+def test_every_struct_and_field_of_the_headers_is_pinned_by_an_independent_oracle() -> None:
     # A moved or resized member changes its offset or its struct's size; the proofs above catch that for every
     # member some oracle other than cffi places: the facts files, the spec tables, libdrm's and XRT's headers.
     sizes, offsets, _ = spec_facts()
@@ -645,7 +676,8 @@ def test_every_struct_and_field_of_the_headers_is_pinned_by_an_independent_oracl
     mine = cffi_layouts(abi.ffi)
     names = [tag.removeprefix("struct ") for tag in mine if tag.startswith("struct ")]
     for header in (DRM_H, XCLBIN_H, ERT_H):
-        theirs, _ = foreign_definitions(header[0] / header[1], names, [])
+        root, relative = present(header)
+        theirs, _ = foreign_definitions(root / relative, names, [])
         for tag, members in theirs.items():
             pinned_sizes.add(tag.removeprefix("struct "))
             pinned.update((tag.removeprefix("struct "), path) for path in members)
@@ -656,7 +688,7 @@ def test_every_struct_and_field_of_the_headers_is_pinned_by_an_independent_oracl
 
 
 @pytest.mark.skipif(not FIXTURE_NPU1.is_dir(), reason=f"{FIXTURE_NPU1} is absent")
-def test_axlf_structs_decode_a_real_xclbin_as_its_build_json_says():
+def test_axlf_structs_decode_a_real_xclbin_as_its_build_json_says() -> None:
     ffi = abi.ffi
     data = (FIXTURE_NPU1 / "aie.xclbin").read_bytes()
     base = ffi.cast("char *", ffi.from_buffer(data))
@@ -707,8 +739,9 @@ def test_axlf_structs_decode_a_real_xclbin_as_its_build_json_says():
 def swap_fields(text: str, struct: str, first: str, second: str) -> str:
     """Swap two member declaration lines inside ``struct``'s body."""
     block = extract_block(text, "struct", struct)
-    a = re.search(rf"^.*\b{first};$", block, flags=re.M).group(0)
-    b = re.search(rf"^.*\b{second};$", block, flags=re.M).group(0)
+    assert block is not None, f"struct {struct} is not defined here"
+    a = matched(rf"^.*\b{first};$", block, re.M).group(0)
+    b = matched(rf"^.*\b{second};$", block, re.M).group(0)
     swapped = block.replace(a, "\0").replace(b, a).replace("\0", b)
     return text.replace(block, swapped)
 
@@ -722,7 +755,7 @@ def altered_headers(tmp_path: Path, header: str, struct: str, first: str, second
 
 
 @needs_spec
-def test_facts_comparison_reports_two_swapped_fields(tmp_path):
+def test_facts_comparison_reports_two_swapped_fields(tmp_path: Path) -> None:
     directory = altered_headers(tmp_path, "amdxdna_accel.h", "amdxdna_drm_create_bo", "vaddr", "size")
     sizes, offsets, _ = spec_facts()
     problems = facts_mismatches(abi.build_ffi(directory), sizes, offsets)
@@ -732,9 +765,10 @@ def test_facts_comparison_reports_two_swapped_fields(tmp_path):
 
 @needs_gcc
 @needs_drm_h
-def test_libdrm_comparison_reports_two_swapped_fields(tmp_path):
+def test_libdrm_comparison_reports_two_swapped_fields(tmp_path: Path) -> None:
     directory = altered_headers(tmp_path, "drm.h", "drm_syncobj_timeline_wait", "handles", "points")
-    problems = system_comparison(abi.build_ffi(directory), directory, DRM_H, drm_includes(), tmp_path / "probe")
+    problems = system_comparison(abi.build_ffi(directory), directory, present(DRM_H), drm_includes(),
+                                 tmp_path / "probe")
     assert len(problems) == 2
     assert all(p.startswith("struct drm_syncobj_timeline_wait.") for p in problems)
     assert {p.split(":")[0].rsplit(".", 1)[1] for p in problems} == {"handles", "points"}
@@ -742,10 +776,11 @@ def test_libdrm_comparison_reports_two_swapped_fields(tmp_path):
 
 @needs_gcc
 @needs_xrt_h
-def test_xrt_and_spec_comparisons_report_two_swapped_axlf_fields(tmp_path):
+def test_xrt_and_spec_comparisons_report_two_swapped_axlf_fields(tmp_path: Path) -> None:
     directory = altered_headers(tmp_path, "xclbin.h", "axlf_section_header", "m_sectionOffset", "m_sectionSize")
     ffi = abi.build_ffi(directory)
-    problems = system_comparison(ffi, directory, XCLBIN_H, f"#include <{XCLBIN_H[1]}>", tmp_path / "probe")
+    xclbin_h = present(XCLBIN_H)
+    problems = system_comparison(ffi, directory, xclbin_h, f"#include <{xclbin_h[1]}>", tmp_path / "probe")
     assert sorted(p.split(":")[0] for p in problems) == ["struct axlf_section_header.m_sectionOffset",
                                                          "struct axlf_section_header.m_sectionSize"]
     assert facts_mismatches(ffi, AXLF_SIZES, flat_offsets(AXLF_OFFSETS)) == [
@@ -755,18 +790,18 @@ def test_xrt_and_spec_comparisons_report_two_swapped_axlf_fields(tmp_path):
 
 @needs_gcc
 @needs_xrt_h
-def test_xrt_comparison_reports_a_moved_header_bit_field(tmp_path):
+def test_xrt_comparison_reports_a_moved_header_bit_field(tmp_path: Path) -> None:
     directory = tmp_path / "headers"
     shutil.copytree(HEADERS, directory)
     ert = directory / "ert.h"
     ert.write_text(ert.read_text().replace("#define ERT_HDR_COUNT_SHIFT 12", "#define ERT_HDR_COUNT_SHIFT 13"))
-    problems = system_comparison(abi.build_ffi(directory), directory, ERT_H, "#include <stdbool.h>\n"
-                                 f"#include <{ERT_H[1]}>", tmp_path / "probe")
+    problems = system_comparison(abi.build_ffi(directory), directory, present(ERT_H), "#include <stdbool.h>\n"
+                                 f"#include <{present(ERT_H)[1]}>", tmp_path / "probe")
     assert problems and all(".count:" in p for p in problems)
 
 
 @needs_gcc
-def test_gcc_comparison_catches_a_layout_cffi_gets_wrong(tmp_path):
+def test_gcc_comparison_catches_a_layout_cffi_gets_wrong(tmp_path: Path) -> None:
     # gcc vs cffi is the check on cffi itself: feed it one layout that differs and it must say so
     mine = cffi_layouts(abi.ffi)
     wrong = dict(mine)
@@ -778,7 +813,7 @@ def test_gcc_comparison_catches_a_layout_cffi_gets_wrong(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # abi module API
 
-def test_prime_set_state_and_hwctx_entry_layouts_by_hand():
+def test_prime_set_state_and_hwctx_entry_layouts_by_hand() -> None:
     """What Bo.export / Device.import_bo, set_power_mode and hw_contexts send, typed in from docs/uapi.md
     5 (PRIME rows: drm_prime_handle (12) {u32 handle; u32 flags; s32 fd}, DRM_CLOEXEC 0x80000, DRM_RDWR 2),
     1a (SET_STATE 0xC0106448, GET_ARRAY 0xC018644A), 2.4-2.5 (set_state, set_power_mode, hwctx_entry)."""
@@ -801,7 +836,7 @@ def test_prime_set_state_and_hwctx_entry_layouts_by_hand():
     assert abi.AMDXDNA_MAX_NUM_ELEMENT == 1024
 
 
-def test_ioc_layout_and_encoding():
+def test_ioc_layout_and_encoding() -> None:
     assert (abi._IOC_NRSHIFT, abi._IOC_TYPESHIFT, abi._IOC_SIZESHIFT, abi._IOC_DIRSHIFT) == (0, 8, 16, 30)
     assert (abi._IOC_NONE, abi._IOC_WRITE, abi._IOC_READ) == (0, 1, 2)
     # docs/uapi.md 1: request = dir<<30 | size<<16 | 'd'<<8 | nr
@@ -814,7 +849,7 @@ def test_ioc_layout_and_encoding():
         abi._IOC(abi._IOC_WRITE, 0x64, 256, 8)
 
 
-def test_ioctls_table_names_every_request_with_its_struct():
+def test_ioctls_table_names_every_request_with_its_struct() -> None:
     requests = request_numbers()
     assert len(requests) == 25 and set(requests.values()) == set(abi.IOCTLS)
     for name, number in requests.items():
@@ -823,7 +858,7 @@ def test_ioctls_table_names_every_request_with_its_struct():
         assert (number >> 16) & 0x3FFF == abi.ffi.sizeof(ctype)
 
 
-def test_new_sets_fields_and_validates():
+def test_new_sets_fields_and_validates() -> None:
     bo = abi.new("struct amdxdna_drm_create_bo", size=4096, type=abi.AMDXDNA_BO_CMD)
     raw = bytes(abi.ffi.buffer(bo))
     assert len(raw) == 32 and raw[16:24] == (4096).to_bytes(8, "little") and raw[24:28] == (4).to_bytes(4, "little")
@@ -838,7 +873,7 @@ def test_new_sets_fields_and_validates():
         abi.new("struct no_such_struct")
 
 
-def test_address_of_is_the_process_address():
+def test_address_of_is_the_process_address() -> None:
     info = abi.new("struct amdxdna_drm_get_bo_info", handle=7, xdna_addr=abi.AMDXDNA_INVALID_ADDR)
     address = abi.address_of(info)
     assert ctypes.string_at(address, 48) == bytes(abi.ffi.buffer(info))
@@ -848,7 +883,7 @@ def test_address_of_is_the_process_address():
         abi.address_of(bytearray(8))
 
 
-def test_libc_mmap_and_munmap_work_through_the_cdef():
+def test_libc_mmap_and_munmap_work_through_the_cdef() -> None:
     length = 1 << 16
     pointer = abi.libc.mmap(abi.ffi.NULL, length, abi.PROT_READ | abi.PROT_WRITE, abi.MAP_PRIVATE | abi.MAP_ANONYMOUS,
                             -1, 0)
@@ -858,7 +893,8 @@ def test_libc_mmap_and_munmap_work_through_the_cdef():
     assert abi.libc.munmap(pointer, length) == 0
 
 
-def test_header_dir_prefers_the_package_copy_and_reports_absence(tmp_path, monkeypatch):
+def test_header_dir_prefers_the_package_copy_and_reports_absence(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     assert abi.header_dir() in (Path(abi.__file__).resolve().parent / "headers", HEADERS)
     monkeypatch.setattr(abi, "_PACKAGE_DIR", tmp_path / "pkg")
     with pytest.raises(FileNotFoundError, match="headers libc.h, drm.h") as raised:
@@ -893,7 +929,7 @@ def build_wheel(tmp_path: Path) -> Path:
 
 def requirement_name(line: str) -> str:
     """The normalised project name of a Requires-Dist value (PEP 503: case and ``_``/``.`` folded to ``-``)."""
-    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", line).group(0)).lower()
+    return re.sub(r"[-_.]+", "-", matched(r"[A-Za-z0-9._-]+", line).group(0)).lower()
 
 
 def check_wheel_contents(archive: zipfile.ZipFile) -> None:
@@ -912,7 +948,7 @@ def check_wheel_contents(archive: zipfile.ZipFile) -> None:
     requires = re.findall(r"^Requires-Dist: (.+)$", meta, flags=re.M)
     assert sorted(requirement_name(r) for r in requires if "extra ==" not in r) == ["cffi", "ml-dtypes", "numpy"]
     assert re.findall(r"^Provides-Extra: (.+)$", meta, flags=re.M) == ["sam3", "test"]
-    extras = {}
+    extras: dict[str, set[str]] = {}
     for r in requires:
         found = re.search(r"extra == \"(\w+)\"", r)
         if found:
@@ -927,13 +963,13 @@ def check_wheel_contents(archive: zipfile.ZipFile) -> None:
     assert re.search(r"^sam3 = sam3\.cli:main$", scripts, flags=re.M)
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_command() -> None:
     # .ci/run reads its test command out of the README (issue 2 item 8); run that extraction here
     script = (REPO / ".ci" / "run").read_text()
     (assignment,) = re.findall(r"^test_command=\$\((.*)\)$", script, flags=re.M)
     extracted = subprocess.run(["bash", "-c", assignment], cwd=REPO, capture_output=True, text=True, check=True,
                                timeout=30).stdout.strip()
-    block = re.search(r"```sh\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S).group(1)
+    block = matched(r"```sh\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert extracted == commands[1] == "pip install -e '.[test]' && python -m pytest -q"
     assert 'bash -c "set -e; $test_command"' in script
@@ -957,7 +993,7 @@ print(json.dumps([abi.__file__, str(abi.header_dir()), abi.ffi.sizeof("struct am
 @pytest.mark.ci
 @requires(_can_build_wheels_offline(),
           "setuptools < 70.1 without the 'wheel' package cannot build a wheel offline (pip install wheel)")
-def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path):
+def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         check_wheel_contents(archive)
@@ -992,7 +1028,7 @@ def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path):
 # ---- the generated declarations module (out-of-line ABI mode) -----------------------------------------
 
 
-def test_the_generated_declarations_are_current():
+def test_the_generated_declarations_are_current() -> None:
     """``_abi_decl.py`` is what ``write_decl_module`` makes of headers/ today (cffi's output plus the cdef's
     digest); after changing a header, regenerate it as the message says."""
     committed = (REPO / "amdxdna_direct" / "_abi_decl.py").read_text(encoding="utf-8")
@@ -1003,12 +1039,84 @@ def test_the_generated_declarations_are_current():
     assert "_cffi_backend.FFI('amdxdna_direct._abi_decl'" in committed
 
 
-def test_the_generated_declarations_match_the_parsed_headers():
+def test_the_generated_declarations_match_the_parsed_headers() -> None:
     parsed = abi.build_ffi(HEADERS)
     assert type(abi.ffi).__module__ == "_cffi_backend"                 # the out-of-line object, not cffi.FFI
     assert cffi_layouts(abi.ffi) == cffi_layouts(parsed)
     assert our_constants(abi.ffi) == our_constants(parsed)
     assert abi.ffi.list_types() == parsed.list_types()
+
+
+# ---- the generated typed constants (what a static checker sees of the re-exported names) ------------
+
+CONSTANTS_FILE = REPO / "amdxdna_direct" / "_abi_constants.py"
+STALE = "python -c 'from amdxdna_direct import abi; abi.write_decl_module()'"
+
+
+def declared_constants(text: str) -> list[tuple[str, str, int]]:
+    """``(header, name, value)`` of every ``NAME: Final = value`` line of a constants module, in file order."""
+    declared, header = [], ""
+    for line in text.splitlines():
+        if section := re.fullmatch(r"# ---- (\S+) ----", line):
+            header = section.group(1)
+        elif constant := re.fullmatch(r"(\w+): Final = (-?\d+)", line):
+            declared.append((header, constant.group(1), int(constant.group(2))))
+    return declared
+
+
+def test_the_generated_constants_are_current() -> None:
+    """``_abi_constants.py`` is what ``write_decl_module`` makes of headers/ today; after changing a header,
+    regenerate it as the message says."""
+    committed = CONSTANTS_FILE.read_text(encoding="utf-8")
+    assert abi.constants_module_source(HEADERS) == committed, f"amdxdna_direct/_abi_constants.py is stale: run {STALE}"
+    assert f"_CDEF_SHA256: Final = {abi.cdef_digest(abi.read_cdef(HEADERS))!r}" in committed
+
+
+def test_the_generated_constants_are_every_header_constant_once_in_header_order() -> None:
+    declared = declared_constants(CONSTANTS_FILE.read_text(encoding="utf-8"))
+    names = [name for _, name, _ in declared]
+    values = {name: value for _, name, value in declared}
+    # every #define and enum value of the cdef, once, with cffi's value, which is also what the import exports
+    assert len(names) == len(values) and values == our_constants(abi.ffi)
+    assert {name: getattr(abi, name) for name in names} == values
+    # under its own header, in HEADER_FILES order: the #defines of each header in file order, each enum's
+    # enumerators together and in declaration order (as pycparser reads the enum)
+    assert list(dict.fromkeys(header for header, _, _ in declared)) == list(abi.HEADER_FILES)
+    for header_file in abi.HEADER_FILES:
+        text = strip_c_comments((HEADERS / header_file).read_text())
+        defines = re.findall(r"^\s*#\s*define\s+(\w+)", text, flags=re.M)
+        _, enums = foreign_definitions(HEADERS / header_file, [], re.findall(r"\benum\s+(\w+)\s*\{", text))
+        mine = [name for header, name, _ in declared if header == header_file]
+        assert sorted(mine) == sorted(defines + [name for items in enums.values() for name in items]), header_file
+        assert [name for name in mine if name in defines] == defines, header_file
+        for tag, enumerators in enums.items():
+            first = mine.index(enumerators[0])
+            assert mine[first:first + len(enumerators)] == enumerators, f"{header_file} enum {tag}"
+
+
+def strip_c_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+
+
+def test_a_changed_constant_makes_the_committed_constants_stale(tmp_path: Path) -> None:
+    directory = tmp_path / "headers"
+    shutil.copytree(HEADERS, directory)
+    ert = directory / "ert.h"
+    ert.write_text(ert.read_text().replace("#define ERT_HDR_COUNT_SHIFT 12", "#define ERT_HDR_COUNT_SHIFT 13"))
+    committed, fresh = CONSTANTS_FILE.read_text(encoding="utf-8"), abi.constants_module_source(directory)
+    digests = {abi.cdef_digest(abi.read_cdef(d)) for d in (HEADERS, directory)}
+    assert set(committed.splitlines()) ^ set(fresh.splitlines()) == {
+        "ERT_HDR_COUNT_SHIFT: Final = 12", "ERT_HDR_COUNT_SHIFT: Final = 13",
+        *(f"_CDEF_SHA256: Final = {digest!r}" for digest in digests)}
+
+
+def test_constants_in_header_order_refuses_definitions_that_are_not_the_constants() -> None:
+    source = "/* ==== a.h ==== */\n#define A 1\nenum e { B = 2, C };\n"
+    assert abi.constants_in_header_order(source, {"C": 3, "A": 1, "B": 2}) == [("a.h", "A", 1), ("a.h", "B", 2),
+                                                                               ("a.h", "C", 3)]
+    with pytest.raises(ValueError, match=r"definitions \['A'\] are not cdef constants, cdef constants \['D'\] have "
+                                         r"no definition"):
+        abi.constants_in_header_order(source, {"B": 2, "C": 3, "D": 4})
 
 
 IMPORT_PROBE = """
@@ -1020,7 +1128,7 @@ print(json.dumps([type(abi.ffi).__module__, "pycparser" in sys.modules, getattr(
 """
 
 
-def _probe_import(root: Path) -> tuple[list, str]:
+def _probe_import(root: Path) -> tuple[list[Any], str]:  # the probe's JSON
     env = dict(os.environ, PYTHONPATH=str(root))
     done = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env, cwd=root,
                           timeout=120)
@@ -1035,13 +1143,13 @@ def _package_copy(tmp_path: Path) -> Path:
     return root
 
 
-def test_import_parses_no_c_and_logs_nothing(tmp_path):
+def test_import_parses_no_c_and_logs_nothing(tmp_path: Path) -> None:
     (ffi_module, pycparser, _, request, where), log = _probe_import(_package_copy(tmp_path))
     assert (ffi_module, pycparser, request) == ("_cffi_backend", False, abi.DRM_IOCTL_AMDXDNA_EXEC_CMD)
     assert Path(where).is_relative_to(tmp_path) and "amdxdna_direct.abi" not in log
 
 
-def test_without_the_generated_module_the_headers_are_parsed_and_a_debug_line_says_so(tmp_path):
+def test_without_the_generated_module_the_headers_are_parsed_and_a_debug_line_says_so(tmp_path: Path) -> None:
     root = _package_copy(tmp_path)
     (root / "amdxdna_direct" / "_abi_decl.py").unlink()
     (ffi_module, pycparser, _, request, _), log = _probe_import(root)
@@ -1050,7 +1158,7 @@ def test_without_the_generated_module_the_headers_are_parsed_and_a_debug_line_sa
                      r"import \(in-line ABI mode, pycparser\)$", log, flags=re.M), log
 
 
-def test_a_stale_generated_module_is_not_used(tmp_path):
+def test_a_stale_generated_module_is_not_used(tmp_path: Path) -> None:
     """Headers edited without regenerating: the import parses them (so the new constant is there) and warns."""
     root = _package_copy(tmp_path)
     header = root / "headers" / "amdxdna_accel.h"
@@ -1061,11 +1169,13 @@ def test_a_stale_generated_module_is_not_used(tmp_path):
                      r"parsing the headers at import instead", log, flags=re.M), log
     regenerated = abi.write_decl_module(root / "amdxdna_direct" / "_abi_decl.py", root / "headers")
     assert "AMDXDNA_PROBE_ONLY" in regenerated.read_text()
+    constants = declared_constants((root / "amdxdna_direct" / "_abi_constants.py").read_text())
+    assert constants[-1] == ("xclbin.h", "CT_PREPOST", 3) and ("amdxdna_accel.h", "AMDXDNA_PROBE_ONLY", 7) in constants
     (ffi_module, pycparser, probe, _, _), log = _probe_import(root)
     assert (ffi_module, pycparser, probe) == ("_cffi_backend", False, 7) and "WARNING" not in log
 
 
-def test_new_reports_an_unknown_type_as_a_type_error():
+def test_new_reports_an_unknown_type_as_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"new\('struct no_such_struct'\): not a declared C type of known size"):
         abi.new("struct no_such_struct")
     with pytest.raises(TypeError, match="no field 'nope'"):
