@@ -2,14 +2,21 @@
 
 Run: ``python bench/bench_startup.py [--before /tmp/before] [--runs 15] [--importtime]``
 
+Three commands: ``import amdxdna_direct`` (the package: its names load on first use), ``from amdxdna_direct
+import open_device, Bo, Kernel`` (what a program uses: the runtime, numpy with it) and ``amdxdna --help``.
+numpy's own import is not the package's to shorten: a goal is judged on the package's time without it, and
+both figures are printed.
+
 ``--before`` is a checkout of the version to compare with (default ``/tmp/before``; make one with
 ``git -C <repo> worktree add --detach /tmp/before HEAD``); without it only this tree is measured.
 Every command runs as a fresh ``python`` process with the tree first on ``PYTHONPATH`` (so each side
-imports its own package) and bytecode already cached (one unmeasured run first). The runs alternate
+imports its own package) and bytecode already cached (one unmeasured run first; the bytecode goes to a
+temporary ``PYTHONPYCACHEPREFIX``, also when the environment sets ``PYTHONDONTWRITEBYTECODE``). The runs alternate
 between the trees so that a busy machine slows both alike; figures are medians.
 
-Two figures per command: the process's wall time, and the import's own time as ``-X importtime``
-reports it (cumulative time of the top-level package; interpreter start-up excluded). The interpreter
+Figures per command: the process's wall time, and the import's own time as ``-X importtime``
+reports it (the cumulative times of the top-level ``amdxdna_direct`` imports; interpreter start-up excluded),
+with numpy's share of it (numpy's own import, nested inside) shown beside. The interpreter
 alone (``python -c pass``) and ``import numpy`` are printed for scale. Goals (issue 14): import
 <= 100 ms, ``--help`` <= 150 ms. Deterministic counts: modules imported, and whether pycparser, xml,
 email, http or ssl are among them.
@@ -23,33 +30,39 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
 IMPORT = "import amdxdna_direct"
+RUNTIME = "from amdxdna_direct import open_device, Bo, Kernel"
 HELP = ("import sys; sys.argv = ['amdxdna', '--help']\n"
         "from amdxdna_direct.cli import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass")
 COUNT = ("import contextlib, io, sys\n"
          "with contextlib.redirect_stdout(io.StringIO()):\n    exec({code!r})\n"
          "mods = sorted(sys.modules)\n"
-         "heavy = [m for m in ('pycparser', 'xml', 'email', 'http', 'ssl', 'urllib.request', 'ml_dtypes') "
-         "if m in sys.modules]\n"
+         "heavy = [m for m in ('pycparser', 'xml', 'email', 'http', 'ssl', 'urllib.request', 'ml_dtypes', 'numpy',"
+         " 'cffi') if m in sys.modules]\n"
          "print(len(mods), ','.join(heavy))")
-GOALS = {"import": 100.0, "--help": 150.0}
-_CUMULATIVE = re.compile(r"import time:\s+\d+ \|\s+(\d+) \| (\S+)$")
+GOALS = {"import": 100.0, "runtime": 100.0, "--help": 150.0}
+_ROW = re.compile(r"import time:\s+\d+ \|\s+(\d+) \|( +)(\S+)$")
+_CACHE = tempfile.mkdtemp(prefix="bench-startup-pyc-")
 
 
 def _env(tree: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.pop("AMDXDNA_TRACE", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(_CACHE, tree.name or "root")
     return env
 
 
 def _run(tree: Path, code: str, importtime: bool = False) -> tuple[float, float | None, str]:
-    """One fresh interpreter: (wall ms, the top-level import's own ms or None, stdout)."""
+    """One fresh interpreter: (wall ms, the package's import ms (numpy's share in the stdout slot) or None,
+    stdout)."""
     argv = [sys.executable] + (["-X", "importtime"] if importtime else []) + ["-c", code]
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=tree, env=_env(tree), capture_output=True, text=True, check=False)
@@ -58,9 +71,11 @@ def _run(tree: Path, code: str, importtime: bool = False) -> tuple[float, float 
         raise SystemExit(f"bench_startup: {argv[-1][:40]!r} failed in {tree}:\n{done.stderr[-2000:]}")
     own = None
     if importtime:
-        tops = [int(m.group(1)) for m in map(_CUMULATIVE.match, done.stderr.splitlines())
-                if m and m.group(2) in ("amdxdna_direct", "amdxdna_direct.cli")]
-        own = max(tops) / 1e3 if tops else None
+        rows = [m for m in map(_ROW.match, done.stderr.splitlines()) if m]
+        tops = [int(m.group(1)) for m in rows if len(m.group(2)) == 1 and m.group(3).startswith("amdxdna_direct")]
+        numpy = [int(m.group(1)) for m in rows if m.group(3) == "numpy" and len(m.group(2)) > 1]
+        own = sum(tops) / 1e3 if tops else None
+        return wall, own, f"{sum(numpy) / 1e3:.1f}"
     return wall, own, done.stdout
 
 
@@ -68,16 +83,19 @@ def _measure(trees: dict[str, Path], code: str, runs: int) -> dict[str, tuple[fl
     """Median (wall ms, own import ms) per tree, runs alternated between the trees."""
     walls: dict[str, list[float]] = {name: [] for name in trees}
     owns: dict[str, list[float]] = {name: [] for name in trees}
+    numpys: dict[str, list[float]] = {name: [] for name in trees}
     for tree in trees.values():
         _run(tree, code)  # bytecode cached before measuring
     for _ in range(runs):
         for name, tree in trees.items():
             walls[name].append(_run(tree, code)[0])
-            own = _run(tree, code, importtime=True)[1]
+            _wall, own, numpy = _run(tree, code, importtime=True)
             if own is not None:
                 owns[name].append(own)
-    return {name: (statistics.median(walls[name]), statistics.median(owns[name]) if owns[name] else float("nan"))
-            for name in trees}
+                numpys[name].append(float(numpy))
+    nan = float("nan")
+    return {name: (statistics.median(walls[name]), statistics.median(owns[name]) if owns[name] else nan,
+                   statistics.median(numpys[name]) if numpys[name] else nan) for name in trees}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,19 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     print("  load average at start: %.2f %.2f %.2f on %d CPUs" % (*os.getloadavg(), os.cpu_count() or 1))
     base = _measure({"python": HERE}, "pass", args.runs)["python"][0]
     numpy = _measure({"numpy": HERE}, "import numpy", args.runs)["numpy"][0]
-    print(f"  interpreter alone (python -c pass): {base:7.1f} ms wall;  import numpy: {numpy:7.1f} ms wall")
-    for label, code in (("import", IMPORT), ("--help", HELP)):
+    print(f"  interpreter alone (python -c pass): {base:7.1f} ms wall;  import numpy: {numpy:7.1f} ms wall "
+          f"({numpy - base:.1f} ms over the interpreter)")
+    for label, code in (("import", IMPORT), ("runtime", RUNTIME), ("--help", HELP)):
         figures = _measure(trees, code, args.runs)
         goal = GOALS[label]
-        for name, (wall, own) in figures.items():
+        for name, (wall, own, numpy_share) in figures.items():
             count, heavy = _run(trees[name], COUNT.format(code=code))[2].split(" ")
+            without = own - numpy_share
             line = (f"  {label:7s} {name:6s}: {wall:7.1f} ms wall ({wall - base:6.1f} ms over the interpreter), "
-                    f"import's own {own:6.1f} ms  goal <= {goal:.0f} ms: "
-                    f"{'met' if own <= goal else 'NOT met'} (own time)")
+                    f"import's own {own:6.1f} ms (numpy {numpy_share:5.1f} of it)  goal <= {goal:.0f} ms: "
+                    f"{'met' if without <= goal else 'NOT met'} ({without:.1f} ms without numpy's)")
             print(line)
             print(f"                  modules loaded {count}, heavy ones: {heavy.strip() or 'none'}")
         if "before" in figures:
-            (now_wall, now_own), (old_wall, old_own) = figures["now"], figures["before"]
+            (now_wall, now_own, _), (old_wall, old_own, _) = figures["now"], figures["before"]
             print(f"  {label:7s} now / before: wall {now_wall / old_wall:.2f}x, import's own {now_own / old_own:.2f}x")
     if args.importtime:
         done = subprocess.run([sys.executable, "-X", "importtime", "-c", IMPORT], cwd=HERE, env=_env(HERE),
