@@ -10,7 +10,11 @@ every side alike (figures are medians):
 - ``Bo.read_f32_from_bf16(out=...)``: bf16 -> float32 out of the mapping into a reused array (and into a
   fresh one, which pays the first touch of its pages);
 - the previous way, for scale: ``to_bf16`` (two temporaries) then ``copy_wide`` into the mapping, and
-  ``copy_wide`` out then ``from_bf16``.
+  ``copy_wide`` out then ``from_bf16``;
+- the floor of a numpy conversion: ml_dtypes' float32 -> bf16 cast alone, one thread, into a host array that
+  stays cached (no NaN check, no mapping). ``write_bf16`` divided by it is printed: at ~1.0x the conversion
+  costs what numpy's fastest cast costs, and what is left of the goal is the cast's own speed (a compiled
+  kernel would be needed to go below it; the runtime compiles nothing).
 
 Goals (issue 14): write and read <= 1.5x the memcpy time at >= 8 MiB; at 64 KiB no pool hand-off (the
 fixed cost is printed in microseconds). Deterministic counts: bytes copied per call (``Device.stats``)
@@ -76,14 +80,17 @@ def bench_size(device, nbytes: int, rounds: int) -> None:
     bo = device.bo(nbytes)
     view = bo.array(np.uint8)
     host = np.empty(nbytes, np.uint8)
+    scratch = np.empty(n, bo_mod.BF16)
     out = np.empty(n, np.float32)
     bo.write_bf16(src)
     out.fill(0)
     host.fill(0)                                   # every buffer touched before timing
+    scratch.view(np.uint16).fill(0)
     ops: dict[str, Callable[[], object]] = {
         "memcpy in": lambda: np.copyto(view, bits.view(np.uint8)),
         "write_bf16": lambda: bo.write_bf16(src),
         "old in (to_bf16 + copy_wide)": lambda: copy_wide(view, to_bf16(src)),
+        "floor: ml_dtypes cast alone": lambda: np.copyto(scratch, src, casting="unsafe"),
         "memcpy out": lambda: np.copyto(host, view),
         "read_f32_from_bf16 (reused out)": lambda: bo.read_f32_from_bf16(n, out=out),
         "read_f32_from_bf16 (fresh array)": lambda: bo.read_f32_from_bf16(n),
@@ -113,18 +120,21 @@ def bench_size(device, nbytes: int, rounds: int) -> None:
     print(f"{label} of bf16 ({n} values): bytes copied per call: in {written}, out {read}; "
           f"pool hand-offs per call: in {parts_in}, out {parts_out}")
     goal_applies = nbytes >= GOAL_FROM
-    for base, names in (("memcpy in", ("write_bf16", "old in (to_bf16 + copy_wide)")),
+    for base, names in (("memcpy in", ("write_bf16", "old in (to_bf16 + copy_wide)", "floor: ml_dtypes cast alone")),
                         ("memcpy out", ("read_f32_from_bf16 (reused out)", "read_f32_from_bf16 (fresh array)",
                                         "old out (copy_wide + from_bf16)"))):
         print(f"  {base:34s} {med[base] * 1e6:10.1f} us  ({nbytes / med[base] / 1e9:5.1f} GB/s)")
         for name in names:
             ratio = med[name] / med[base]
             verdict = ""
-            if goal_applies and not name.startswith("old") and "fresh" not in name:
+            if goal_applies and not name.startswith(("old", "floor")) and "fresh" not in name:
                 verdict = f"  goal <= {GOAL}x: {'met' if ratio <= GOAL else 'NOT met'}"
-            elif not goal_applies and not name.startswith("old"):
+            elif not goal_applies and not name.startswith(("old", "floor")):
                 verdict = f"  (+{(med[name] - med[base]) * 1e6:.1f} us over memcpy; goal: no pool hand-off)"
             print(f"  {name:34s} {med[name] * 1e6:10.1f} us  {ratio:5.2f}x memcpy{verdict}")
+        if base == "memcpy in":
+            floor = med["floor: ml_dtypes cast alone"]
+            print(f"  {'write_bf16 / the cast alone':34s} {med['write_bf16'] / floor:10.2f}x")
 
 
 def _copied(view: np.ndarray, nbytes: int) -> np.ndarray:

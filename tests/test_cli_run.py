@@ -218,3 +218,18 @@ def test_parse_buffer_and_model():
     gemm = run_cmd.parse_model("gemm:2,3,4")
     assert (gemm.m, gemm.k, gemm.n, gemm.lda) == (2, 3, 4, 3)
     assert run_cmd.parse_model("passthrough").name == "passthrough"
+
+
+def test_a_stream_that_patches_no_buffer_is_run_and_its_failure_is_one_line(tmp_path, capsys):
+    # No --in, no --out, and a stream with no buffer DMA: there is nothing to size, and the run still reaches the
+    # device (here the emulator, which has no model bound: one ERROR line, exit 1; it used to end in an
+    # AttributeError traceback while sizing the outputs).
+    (tmp_path / "none.xclbin").write_bytes(write(build_mlir_aie(b"none", column_width=1, n_buffers=2)))
+    (tmp_path / "none.bin").write_bytes(insts.encode(insts.dma_stream(4, [])))
+    rc = main(["run", "--device", "emu:npu4", "--xclbin", str(tmp_path / "none.xclbin"),
+               "--insts", str(tmp_path / "none.bin")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("amdxdna run: MLIR_AIE (hwctx=") and "command ERROR" in err
+    assert "no model bound to instruction stream sha256" in err

@@ -661,3 +661,13 @@ def test_main_exit_codes_for_errors_and_usage(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         export.main(["--model", str(tmp_path), "--out", "x", "--vit", "gpu"])
     assert e.value.code == 2
+
+
+def test_a_reference_that_is_a_single_npy_array_is_refused(tmp_path):
+    # --reference names the transformers outputs' .npz archive; a plain .npy array used to end in an AttributeError.
+    # The refusal comes before the checkpoint is looked at, so no model is needed.
+    path = tmp_path / "reference.npy"
+    np.save(path, np.zeros(3, np.float32))
+    with pytest.raises(export.ExportError, match=r"reference\.npy: holds a single \.npy array, expected the "
+                                                 r"reference's \.npz archive"):
+        export._Reference.load(path, None)
