@@ -99,7 +99,7 @@ def test_txn_walk_npu2_fixture_and_generation_check():
     (lambda w: w.__setitem__(9, 28), "declares 28 bytes"),
     (lambda w: w.__setitem__(2, 99), "ends after"),
     (lambda w: w.__setitem__(3, 400), "does not fit"),
-    (lambda w: w.__setitem__(0, 0x06030001), "TXN version 1.0"),
+    (lambda w: w.__setitem__(0, 0x06030002), "TXN version 2.0 is neither 0.1 nor 1.0"),
     (lambda w: w.__setitem__(6, 0x2001D000), "outside the 1-column partition"),
 ])
 def test_txn_walk_rejects_malformed(mutate, message):

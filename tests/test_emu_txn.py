@@ -138,3 +138,61 @@ def test_malformed_custom_op_fails_the_command(npu, caplog):
     assert state == ERT_STATE_ERROR
     assert "opcode 0x82 declares a bad size of 10 bytes" in caplog.text
     assert out == bytes(64)
+
+
+def to_2024(data: bytes) -> bytes:
+    """The same ops in the TXN 1.0 encoding (docs/runtime.md 1.1), translated op by op from a 0.1 stream: WRITE32
+    [0, addr, value], BLOCKWRITE [1, addr, bytes, data...], MASKWRITE / MASKPOLL [op, addr, value, mask], DDR_PATCH
+    [0x81, 24, reg, arg_idx, plus lo, plus hi]; the other ops unchanged."""
+    w = words_of(data)
+    out, pos = [], 4
+    while pos < len(w):
+        op = w[pos] & 0xFF
+        if op == 0x00:
+            out += [0x00, w[pos + 2], w[pos + 4]]
+            pos += 6
+        elif op == 0x01:
+            size = w[pos + 3]
+            out += [0x01, w[pos + 2], size - 4, *w[pos + 4:pos + size // 4]]
+            pos += size // 4
+        elif op in (0x03, 0x04, 0x07):
+            out += [op, w[pos + 2], w[pos + 4], w[pos + 5]]
+            pos += 7
+        elif op == 0x81:
+            out += [0x81, 24, w[pos + 6], w[pos + 8], w[pos + 10], w[pos + 11]]
+            pos += 12
+        elif op >= 0x80:
+            out += w[pos:pos + w[pos + 1] // 4]
+            pos += w[pos + 1] // 4
+        else:
+            length = {0x05: 1, 0x06: 1, 0x08: 4, 0x09: 2, 0x0A: 4, 0x0B: 2, 0x0C: 3, 0x0D: 1}[op]
+            out += w[pos:pos + length]
+            pos += length
+    header = [(w[0] & ~0xFFFF) | 0x0001, w[1], w[2], 4 * (4 + len(out))]    # major 1, minor 0
+    return struct.pack(f"<{4 + len(out)}I", *header, *out)
+
+
+@pytest.mark.parametrize("gen", [3, 4])
+def test_a_txn_1_0_stream_walks_to_what_its_0_1_encoding_does(gen):
+    # docs/runtime.md 1.2: the firmware's side of "1.0 streams are accepted" (they used to be refused).
+    current = txn_stream(gen, BUFFERS, extra=SKIPPED)
+    old = to_2024(current)
+    assert len(old) < len(current) and words_of(old)[0] & 0xFFFF == 0x0001
+    walked, expected = txn.walk(old, gen), txn.walk(current, gen)
+    assert (walked.header.major, walked.header.minor, walked.header.num_ops) == (1, 0, expected.header.num_ops)
+    assert summary(walked) == summary(expected)
+    assert walked.registers == expected.registers and walked.skipped == expected.skipped
+
+
+def test_a_txn_1_0_stream_runs_on_the_device(npu):
+    state, src, out = run_stream(npu, to_2024(txn_stream(3, BUFFERS, extra=SKIPPED)))
+    assert state == ERT_STATE_COMPLETED
+    assert out == src
+
+
+def test_a_txn_1_0_ddr_patch_of_the_0_1_length_is_refused():
+    words = words_of(to_2024(txn_stream(3, BUFFERS)))
+    patch = next(i for i in range(4, len(words)) if words[i] == 0x81)
+    words[patch + 1] = 48                     # the 0.1 size in a 1.0 stream: the walk would read past the op
+    with pytest.raises(txn.TxnError, match=r"DDR_PATCH has 12 words, the encoding has 6|declares a bad size"):
+        txn.walk(struct.pack(f"<{len(words)}I", *words), 3)

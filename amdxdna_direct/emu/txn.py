@@ -17,6 +17,11 @@ bytes; then the ops, each self-describing its length:
     DDR_PATCH   [0x81, 48, 0, 0, 0, 0, reg_addr, 0, arg_idx, 0, arg_plus, 0]
     SYNC (TCT)  [0x80, 16, dir | row<<8 | col<<16, rownum<<8 | colnum<<16 | chan<<24]
 
+That is version 0.1. A version 1.0 stream (the 2024 "optimized" encoding, docs/runtime.md 1.1) is walked too,
+with its shorter ops: WRITE32 [0x00, addr, value], MASKWRITE / MASKPOLL [op, addr, value, mask], BLOCKWRITE
+[0x01, addr, bytes, data...] (bytes counting its 3 header words), DDR_PATCH [0x81, 24, reg_addr, arg_idx,
+arg_plus (2 words)]; the other ops keep their lengths.
+
 The walker models WRITE32, BLOCKWRITE, MASKWRITE, DDR_PATCH and the TCT sync. A poll's register is checked
 against the partition and the poll taken as satisfied; every other known op is skipped by its length (the
 size word of custom ops, the fixed encoding of the others) and listed in ``TxnProgram.skipped``. Reserved and
@@ -55,6 +60,7 @@ OP_CUSTOM_LAST = OP_MERGE_SYNC
 
 HEADER_WORDS = 4
 TXN_MAJOR, TXN_MINOR = 0, 1
+TXN_2024 = (1, 0)            # the 2024 encoding, walked with its own op layouts
 AIE_ROWS = 6
 SHIM_BD_BASE = 0x1D000
 SHIM_BD_STRIDE = 0x20
@@ -64,12 +70,34 @@ SHIM_DMA_FIRST, SHIM_DMA_END = 0x1D000, 0x1D300
 # Shim DMA task queues (AIE-ML register map): S2MM 0/1 at 0x1D204/0x1D20C, MM2S 0/1 at 0x1D214/0x1D21C.
 TASK_QUEUES = {0x1D204: ("s2mm", 0), 0x1D20C: ("s2mm", 1), 0x1D214: ("mm2s", 0), 0x1D21C: ("mm2s", 1)}
 
-# Ops whose last word repeats their size in bytes.
+# Ops whose last word repeats their size in bytes (version 0.1).
 _FIXED_WORDS = {OP_WRITE32: 6, OP_MASKWRITE: 7, OP_MASKPOLL: 7, OP_MASKPOLL_BUSY: 7}
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """Where a version's ops keep their fields: word positions within the op."""
+
+    fixed: dict[int, int]          # opcode -> words, for ops whose last word is their size (none in 1.0)
+    unsized: dict[int, int]        # opcode -> words, for ops with no size word
+    addr: int                      # the register word of WRITE32 / MASKWRITE / MASKPOLL / BLOCKWRITE
+    value: int                     # WRITE32's / MASKWRITE's value word (MASKWRITE's mask is the next one)
+    block_size: int                # BLOCKWRITE's size word; its data follows it
+    patch_words: int               # DDR_PATCH: its length, and where reg_addr, arg_idx, arg_plus (lo, hi) are
+    patch_fields: tuple[int, int, int]
+
+
 # Ops with no size word: their length is their header struct's (aie-rt's XAie_*Hdr).
 _HEADER_ONLY_WORDS = {OP_NOOP: 1, OP_PREEMPT: 1, OP_LOADPDI: 4, OP_LOAD_PM_START: 2, OP_CREATE_SCRATCHPAD: 4,
                       OP_UPDATE_STATE_TABLE: 2, OP_UPDATE_REG: 3, OP_UPDATE_SCRATCH: 1}
 _TILE_OFFSET_MASK = (1 << 20) - 1
+_ENCODINGS = {
+    (TXN_MAJOR, TXN_MINOR): _Encoding(fixed=_FIXED_WORDS, unsized=_HEADER_ONLY_WORDS, addr=2, value=4, block_size=3,
+                                      patch_words=12, patch_fields=(6, 8, 10)),
+    TXN_2024: _Encoding(fixed={}, unsized=_HEADER_ONLY_WORDS | {OP_WRITE32: 3, OP_MASKWRITE: 4, OP_MASKPOLL: 4,
+                                                                OP_MASKPOLL_BUSY: 4},
+                        addr=1, value=2, block_size=2, patch_words=6, patch_fields=(2, 3, 4)),
+}
 
 
 class TxnError(ValueError):
@@ -174,14 +202,15 @@ def walk(data: bytes | memoryview, dev_gen: int) -> TxnProgram:
             of something other than a shim BD address or of a BD whose length was never written.
     """
     header = _checked_header(data, dev_gen)
+    encoding = _ENCODINGS[header.major, header.minor]
     words = memoryview(bytes(data[:header.size])).cast("I")
     program = TxnProgram(header)
     pos = HEADER_WORDS
     for index in range(header.num_ops):
         if pos >= len(words):
             raise TxnError(f"stream ends after {index} of {header.num_ops} ops", index)
-        length = _op_words(words, pos, index)
-        _apply(program, words[pos:pos + length], index)
+        length = _op_words(words, pos, index, encoding)
+        _apply(program, words[pos:pos + length], index, encoding)
         pos += length
     if pos != len(words):
         raise TxnError(f"{(len(words) - pos) * 4} bytes follow the last of {header.num_ops} ops")
@@ -192,8 +221,9 @@ def _checked_header(data: bytes | memoryview, dev_gen: int) -> TxnHeader:
     header = parse_header(data)
     if header.dev_gen != dev_gen:
         raise TxnError(f"TXN stream is for device generation {header.dev_gen}, this device is generation {dev_gen}")
-    if (header.major, header.minor) != (TXN_MAJOR, TXN_MINOR):
-        raise TxnError(f"TXN version {header.major}.{header.minor} is not {TXN_MAJOR}.{TXN_MINOR}")
+    if (header.major, header.minor) not in _ENCODINGS:
+        raise TxnError(f"TXN version {header.major}.{header.minor} is neither {TXN_MAJOR}.{TXN_MINOR} nor "
+                       f"{TXN_2024[0]}.{TXN_2024[1]}")
     if header.num_rows != AIE_ROWS or header.num_cols == 0:
         raise TxnError(f"TXN header geometry rows={header.num_rows} cols={header.num_cols} is not an AIE2 partition")
     if header.size % 4 or header.size < HEADER_WORDS * 4 or header.size > len(data):
@@ -201,19 +231,20 @@ def _checked_header(data: bytes | memoryview, dev_gen: int) -> TxnHeader:
     return header
 
 
-def _op_words(words: memoryview, pos: int, index: int) -> int:
+def _op_words(words: memoryview, pos: int, index: int, encoding: _Encoding) -> int:
     """Length in words of the op at `pos`."""
     opcode = words[pos] & 0xFF
-    if opcode in _HEADER_ONLY_WORDS:
-        length = _HEADER_ONLY_WORDS[opcode]
+    fixed = encoding.fixed
+    if opcode in encoding.unsized:
+        length = encoding.unsized[opcode]
         if pos + length > len(words):
             raise TxnError(f"opcode {opcode:#x} is truncated", index)
         return length
-    if opcode in _FIXED_WORDS:
-        length = _FIXED_WORDS[opcode]
+    if opcode in fixed:
+        length = fixed[opcode]
         size_pos = pos + length - 1
     elif opcode == OP_BLOCKWRITE:
-        size_pos = pos + 3
+        size_pos = pos + encoding.block_size
     elif OP_TCT <= opcode <= OP_CUSTOM_LAST:
         size_pos = pos + 1
     else:
@@ -221,30 +252,30 @@ def _op_words(words: memoryview, pos: int, index: int) -> int:
     if size_pos >= len(words):
         raise TxnError(f"opcode {opcode:#x} is truncated", index)
     size = words[size_pos]
-    if opcode in _FIXED_WORDS and size != _FIXED_WORDS[opcode] * 4:
-        raise TxnError(f"opcode {opcode:#x} declares {size} bytes, its encoding has {_FIXED_WORDS[opcode] * 4}",
-                       index)
+    if opcode in fixed and size != fixed[opcode] * 4:
+        raise TxnError(f"opcode {opcode:#x} declares {size} bytes, its encoding has {fixed[opcode] * 4}", index)
     if size % 4 or size < (size_pos - pos + 1) * 4 or pos + size // 4 > len(words):
         raise TxnError(f"opcode {opcode:#x} declares a bad size of {size} bytes", index)
     return size // 4
 
 
-def _apply(program: TxnProgram, op: memoryview, index: int) -> None:
+def _apply(program: TxnProgram, op: memoryview, index: int, encoding: _Encoding) -> None:
     opcode = op[0] & 0xFF
+    a, value = encoding.addr, encoding.value
     if opcode == OP_WRITE32:
-        _write(program, op[2], op[4], index)
+        _write(program, op[a], op[value], index)
     elif opcode == OP_MASKWRITE:
-        old = program.registers.get(op[2], 0)
-        _write(program, op[2], (old & ~op[5]) | (op[4] & op[5]), index)
+        old, mask = program.registers.get(op[a], 0), op[value + 1]
+        _write(program, op[a], (old & ~mask) | (op[value] & mask), index)
     elif opcode == OP_BLOCKWRITE:
-        _block_write(program, op[2], op[4:], index)
+        _block_write(program, op[a], op[encoding.block_size + 1:], index)
     elif opcode == OP_DDR_PATCH:
-        program.patches.append(_patch(program, op, index))
+        program.patches.append(_patch(program, op, index, encoding))
     elif opcode == OP_TCT:
         program.syncs.append(_sync(op, index))
     else:
         if opcode in (OP_MASKPOLL, OP_MASKPOLL_BUSY):
-            _check_addr(program, op[2], index)
+            _check_addr(program, op[a], index)
         program.skipped.append((index, opcode))
 
 
@@ -284,10 +315,15 @@ def _write(program: TxnProgram, addr: int, value: int, index: int) -> None:
         program.pushes.append(QueuePush(index, addr >> 25, queue[0], queue[1], value & 0xF, (value >> 16) & 0xFF))
 
 
-def _patch(program: TxnProgram, op: memoryview, index: int) -> DdrPatch:
-    if len(op) != 12:
-        raise TxnError(f"DDR_PATCH has {len(op)} words, the encoding has 12", index)
-    reg_addr, arg_idx, arg_plus = op[6] | (op[7] << 32), op[8] | (op[9] << 32), op[10] | (op[11] << 32)
+def _patch(program: TxnProgram, op: memoryview, index: int, encoding: _Encoding) -> DdrPatch:
+    if len(op) != encoding.patch_words:
+        raise TxnError(f"DDR_PATCH has {len(op)} words, the encoding has {encoding.patch_words}", index)
+    reg, idx, plus = encoding.patch_fields
+    if encoding.patch_words == 12:
+        reg_addr, arg_idx = op[reg] | (op[reg + 1] << 32), op[idx] | (op[idx + 1] << 32)
+    else:                      # 1.0: a 32-bit register, a u8 argument index with 3 padding bytes
+        reg_addr, arg_idx = op[reg], op[idx] & 0xFF
+    arg_plus = op[plus] | (op[plus + 1] << 32)
     _check_addr(program, reg_addr, index)
     offset = reg_addr & _TILE_OFFSET_MASK
     bd, word = divmod(offset - SHIM_BD_BASE, SHIM_BD_STRIDE)
