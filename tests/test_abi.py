@@ -1025,6 +1025,20 @@ def test_wheel_ships_headers_and_works_in_a_clean_venv_without_gcc(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["ops"] == [{"op": "write32", "addr": 0x1D204, "value": 5}]
 
+    # both console scripts report the wheel's version, and the installed metadata carries the licence (what
+    # `pip show` lists: License-Expression) with the licence text beside it
+    version = wheel.name.split("-")[1]
+    for script in ("amdxdna", "sam3"):
+        done = subprocess.run([str(venv / "bin" / script), "--version"], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=120)
+        assert done.returncode == 0 and version in done.stdout, (script, done.stdout, done.stderr)
+    probe = ("import importlib.metadata as m, json; d = m.distribution('amdxdna-direct'); "
+             "print(json.dumps([d.metadata['License-Expression'], "
+             "[f.name for f in d.files if f.name == 'LICENSE'], d.version]))")
+    done = subprocess.run([str(python), "-I", "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert json.loads(done.stdout) == ["Apache-2.0", ["LICENSE"], version], done.stderr
+
 
 # ---- the generated declarations module (out-of-line ABI mode) -----------------------------------------
 
