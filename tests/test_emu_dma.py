@@ -44,10 +44,12 @@ def run(npu: Npu, ctx: int, syncobj: int, stream: bytes, slots: list[int], handl
     return state_of(cmd_addr), seq
 
 
-def test_sub_buffer_at_the_end_of_its_parent_faults_past_the_parent(npu):
-    """The issue's case at the BO's edge: a 64-byte sub-buffer (the parent's last 64 bytes: address = parent + 4032)
-    given to a stream that programs 16 KiB. The emulator sees only the parent: the transfer runs 16 KiB - 64 bytes
-    past it and faults; the mapping after the parent (another BO, placed right behind it) keeps its bytes."""
+@pytest.mark.parametrize("after", [0, 448])
+def test_sub_buffer_near_the_end_of_its_parent_faults_past_the_parent(npu, after):
+    """The issue's case: a 64-byte sub-buffer with `after` bytes of its parent behind it (448: the bytes the issue saw
+    overwritten; 0: the parent's last 64 bytes) given to a stream that programs 16 KiB. The emulator sees only the
+    parent: the transfer runs past the parent's end and faults before writing anything, so the parent beyond the
+    sub-buffer and the mapping after the parent (another BO, placed right behind it) keep their bytes."""
     ctx, syncobj = npu.context()
     src, src_addr = npu.data(16 * KIB, bytes(range(256)) * 64)
     base = npu.seam.reserve(2 * PAGE + 16 * KIB, PAGE)
@@ -58,13 +60,15 @@ def test_sub_buffer_at_the_end_of_its_parent_faults_past_the_parent(npu):
     npu.raw.sync(neighbour, 16 * KIB)
     npu.raw.sync(parent, PAGE)
     stream = txn_stream(npu.gen, [(0, 16 * KIB), (1, 16 * KIB)], tag=1)
-    sub_addr = parent_addr + PAGE - 64
+    start = PAGE - 64 - after
+    sub_addr = parent_addr + start
     state, seq = run(npu, ctx, syncobj, stream, [src_addr, sub_addr], [src, parent, neighbour])
     assert state == ERT_STATE_ERROR
     assert npu.seam.command_reason(ctx, seq) == (
         f"firmware error: arg 1: the DMA of TXN op 5 (DDR_PATCH of shim BD 1, column 0: 16384 bytes at regmap slot "
-        f"{sub_addr:#x} + arg_plus 0) faults: device access [{sub_addr:#x}, {sub_addr + 16 * KIB:#x}) runs 16320 "
-        f"bytes past the end of SHMEM BO handle {parent} (0x1000 bytes, the access starts at offset 0xfc0)")
+        f"{sub_addr:#x} + arg_plus 0) faults: device access [{sub_addr:#x}, {sub_addr + 16 * KIB:#x}) runs "
+        f"{16 * KIB - 64 - after} bytes past the end of SHMEM BO handle {parent} (0x1000 bytes, the access starts at "
+        f"offset {start:#x})")
     npu.raw.sync(neighbour, 16 * KIB)
     assert read_addr(neighbour_addr, 16 * KIB) == b"\x5a" * 16 * KIB
     assert read_addr(parent_addr, PAGE) == bytes(PAGE)
