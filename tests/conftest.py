@@ -39,6 +39,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         test_clean_clone.start()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session that ended before the clean-clone test (-x, Ctrl-C) leaves no run of the clone's suite behind."""
+    import sys
+
+    module = sys.modules.get("test_clean_clone")
+    if module is not None:
+        module.stop()
+
+
 def _device_specs() -> list[str]:
     specs = [EMU_SPEC]
     real = os.environ.get("AMDXDNA_TEST_DEVICE")

@@ -16,9 +16,11 @@ tool this machine lacks), with the skips a minority.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,8 @@ class CleanCloneRun:
     shared: Path | None = None  # where ../shared would be for the clone (absent)
     _thread: threading.Thread | None = None
     _tmp: Path | None = None
+    _proc: subprocess.Popen[bytes] | None = None
+    _stopped: bool = False
 
     def start(self) -> None:
         if os.environ.get(NESTED):
@@ -80,6 +84,19 @@ class CleanCloneRun:
         finally:
             if self._tmp is not None and (self._thread is None or not self._thread.is_alive()):
                 shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def stop(self) -> None:
+        """End the run if it is still going (the session ended early: -x, Ctrl-C), and remove its directory; the
+        README's commands run in their own process group, which is ended whole."""
+        self._stopped = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        if self._thread is not None:
+            self._thread.join(30)
+        if self._tmp is not None and (self._thread is None or not self._thread.is_alive()):
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _run(self) -> None:
         assert self._tmp is not None
@@ -115,11 +132,18 @@ class CleanCloneRun:
         # it imports the installed package), then the test command.
         for name, command, cwd in (("demo", demo, repo), ("example", f"python {example}", elsewhere),
                                    ("tests", tests, repo)):
+            if self._stopped:
+                return
             step = Step(name, command)
             self.steps.append(step)
-            done = subprocess.run(["bash", "-c", f"set -e; {command}"], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, timeout=STEP_TIMEOUT)
-            step.code, step.output = done.returncode, done.stdout.decode("utf-8", "replace")
+            self._proc = subprocess.Popen(["bash", "-c", f"set -e; {command}"], cwd=cwd, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                out, _ = self._proc.communicate(timeout=STEP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                out, _ = self._proc.communicate()
+            step.code, step.output = self._proc.returncode, out.decode("utf-8", "replace")
             if step.code != 0:
                 return
 
@@ -134,6 +158,12 @@ def start() -> None:
     if RUN is None:
         RUN = CleanCloneRun()
         RUN.start()
+
+
+def stop() -> None:
+    """End the background run, if any (tests/conftest.py calls this when the session finishes)."""
+    if RUN is not None:
+        RUN.stop()
 
 
 def _tail(step: Step, lines: int = 40) -> str:
