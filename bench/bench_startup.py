@@ -60,23 +60,23 @@ def _env(tree: Path) -> dict[str, str]:
     return env
 
 
-def _run(tree: Path, code: str, importtime: bool = False) -> tuple[float, float | None, str]:
-    """One fresh interpreter: (wall ms, the package's import ms (numpy's share in the stdout slot) or None,
-    stdout)."""
+def _run(tree: Path, code: str, importtime: bool = False) -> tuple[float, float | None, float | None, str]:
+    """One fresh interpreter: (wall ms, the package's import ms, numpy's share of it in ms, stdout); both import
+    figures are None without ``importtime``."""
     argv = [sys.executable] + (["-X", "importtime"] if importtime else []) + ["-c", code]
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=tree, env=_env(tree), capture_output=True, text=True, check=False)
     wall = (time.perf_counter() - start) * 1e3
     if done.returncode != 0:
         raise SystemExit(f"bench_startup: {argv[-1][:40]!r} failed in {tree}:\n{done.stderr[-2000:]}")
-    own = None
+    own = numpy_ms = None
     if importtime:
         rows = [m for m in map(_ROW.match, done.stderr.splitlines()) if m]
         tops = [int(m.group(1)) for m in rows if len(m.group(2)) == 1 and m.group(3).startswith("amdxdna_direct")]
         numpy = [int(m.group(1)) for m in rows if m.group(3) == "numpy" and len(m.group(2)) > 1]
         own = sum(tops) / 1e3 if tops else None
-        return wall, own, f"{sum(numpy) / 1e3:.1f}"
-    return wall, own, done.stdout
+        numpy_ms = sum(numpy) / 1e3
+    return wall, own, numpy_ms, done.stdout
 
 
 def _measure(trees: dict[str, Path], code: str, runs: int) -> dict[str, tuple[float, float]]:
@@ -89,10 +89,10 @@ def _measure(trees: dict[str, Path], code: str, runs: int) -> dict[str, tuple[fl
     for _ in range(runs):
         for name, tree in trees.items():
             walls[name].append(_run(tree, code)[0])
-            _wall, own, numpy = _run(tree, code, importtime=True)
-            if own is not None:
+            _wall, own, numpy, _out = _run(tree, code, importtime=True)
+            if own is not None and numpy is not None:
                 owns[name].append(own)
-                numpys[name].append(float(numpy))
+                numpys[name].append(numpy)
     nan = float("nan")
     return {name: (statistics.median(walls[name]), statistics.median(owns[name]) if owns[name] else nan,
                    statistics.median(numpys[name]) if numpys[name] else nan) for name in trees}
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = _measure(trees, code, args.runs)
         goal = GOALS[label]
         for name, (wall, own, numpy_share) in figures.items():
-            count, heavy = _run(trees[name], COUNT.format(code=code))[2].split(" ")
+            count, heavy = _run(trees[name], COUNT.format(code=code))[3].split(" ")
             without = own - numpy_share
             line = (f"  {label:7s} {name:6s}: {wall:7.1f} ms wall ({wall - base:6.1f} ms over the interpreter), "
                     f"import's own {own:6.1f} ms (numpy {numpy_share:5.1f} of it)  goal <= {goal:.0f} ms: "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A session that ended before the clean-clone test (-x, Ctrl-C) leaves no run of the clone's suite behind."""
-    import sys
-
     module = sys.modules.get("test_clean_clone")
     if module is not None:
         module.stop()

@@ -75,19 +75,15 @@ class CleanCloneRun:
         self._thread.start()
 
     def finish(self, timeout: float) -> None:
-        """Wait for the run, then remove its directory."""
-        try:
-            if self._thread is not None:
-                self._thread.join(timeout)
-                if self._thread.is_alive():
-                    self.error = f"the clean-clone run did not finish in {timeout:.0f} s"
-        finally:
-            if self._tmp is not None and (self._thread is None or not self._thread.is_alive()):
-                shutil.rmtree(self._tmp, ignore_errors=True)
+        """Wait for the run (``stop``, at the session's end, removes it)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self.error = f"the clean-clone run did not finish in {timeout:.0f} s"
 
     def stop(self) -> None:
-        """End the run if it is still going (the session ended early: -x, Ctrl-C), and remove its directory; the
-        README's commands run in their own process group, which is ended whole."""
+        """End the run if it is still going (the session ended early: -x, Ctrl-C; or ``finish`` gave up), and remove
+        its directory; the README's commands run in their own process group, which is ended whole."""
         self._stopped = True
         proc = self._proc
         if proc is not None and proc.poll() is None:
