@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 
-NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
+NPU1_1COL = REPO_FIXTURES / "xdna" / "mlir-aie-npu1_1col"
 EMU_SPEC = "emu:npu1"
 
 
@@ -200,7 +200,7 @@ def fixture_bundle(tmp_path_factory):
     from sam3.export import export
 
     if not (SAM3_TINY / "reference.npz").is_file():
-        pytest.skip(f"fixture {SAM3_TINY} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {SAM3_TINY} absent (tests/fixtures incomplete in this checkout)")
     b = Bundle.open(export(SAM3_TINY / "hf", tmp_path_factory.mktemp("fix") / "b", vit="host"))
     with np.load(SAM3_TINY / "reference.npz") as z:
         ref = {k: z[k] for k in z.files}

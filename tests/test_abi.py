@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES, SHARED
 from pycparser import c_ast, c_parser  # type: ignore[import-untyped]  # ships no type information
 
 from amdxdna_direct import abi
@@ -44,7 +44,7 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 HEADERS = REPO / "headers"
 SPEC = SHARED / "spec"
-FIXTURE_NPU1 = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
+FIXTURE_NPU1 = REPO_FIXTURES / "xdna" / "mlir-aie-npu1_1col"
 GCC = shutil.which("gcc")
 
 # .ci/run installs gcc, libdrm-dev, libxrt-dev and wheel: there a missing one fails the proof instead of skipping it.

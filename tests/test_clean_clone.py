@@ -11,7 +11,7 @@ skips, saying why. What is cloned is the last commit: uncommitted changes are, b
 
 Oracles: exit codes, the example's printed array (``arange(16)``, what its passthrough design copies), the demo's
 ``result: OK`` line, and the nested run's summary: no failure, no error, and every skip naming ``../shared`` (or a
-tool this machine lacks), with the skips a minority.
+tool this machine lacks), with at most 2% of the tests skipped (the fixtures ship in ``tests/fixtures``).
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def test_a_clean_clone_runs_the_readme_commands_and_example():
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|skipped|failed|errors?|xfailed|xpassed)",
                                                       summary[-1])}
     assert counts.get("failed", 0) == counts.get("error", 0) == counts.get("errors", 0) == 0, summary[-1]
-    assert counts["passed"] > 2 * counts.get("skipped", 0), summary[-1]    # tests needing ../shared: a minority
+    # The fixtures ship in tests/fixtures: only the specification texts stay in ../shared (issue 25: <= 2% skip).
+    assert counts.get("skipped", 0) <= 0.02 * (counts["passed"] + counts.get("skipped", 0)), summary[-1]
     reasons = re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", output, flags=re.M)
     assert sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\]", output, flags=re.M)) == counts.get("skipped", 0)
     shared = str(RUN.shared) if RUN.shared is not None else "../shared"

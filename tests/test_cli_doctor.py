@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import test_cli_isolation
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 from test_cli_isolation import (
     DRM_IOCTL_AMDXDNA_CREATE_HWCTX,
     DRM_IOCTL_AMDXDNA_GET_INFO,
@@ -42,7 +42,7 @@ from amdxdna_direct.xclbin import build_mlir_aie, write
 no_system_files = test_cli_isolation.no_system_files
 pytestmark = pytest.mark.usefixtures("no_system_files")
 
-NPU1_1COL = SHARED / "fixtures/xdna/mlir-aie-npu1_1col"
+NPU1_1COL = REPO_FIXTURES / "xdna/mlir-aie-npu1_1col"
 needs_fixture = pytest.mark.skipif(not (NPU1_1COL / "aie.xclbin").exists(), reason=f"fixtures absent: {NPU1_1COL}")
 
 NPU_SLOT = "0000:c5:00.1"

@@ -28,7 +28,7 @@ README_COMMANDS = ("info", "doctor", "run", "trace", "xclbin", "insts")  # the R
 FILE_COMMANDS = ("xclbin", "insts")
 README = Path(__file__).resolve().parents[1] / "README.md"
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs/cli.md"
-NPU1_1COL = Path(__file__).resolve().parents[2] / "shared/fixtures/xdna/mlir-aie-npu1_1col"
+NPU1_1COL = Path(__file__).resolve().parent / "fixtures/xdna/mlir-aie-npu1_1col"
 needs_fixture = pytest.mark.skipif(not (NPU1_1COL / "aie.xclbin").exists(), reason=f"fixtures absent: {NPU1_1COL}")
 
 

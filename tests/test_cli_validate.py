@@ -28,9 +28,9 @@ pytestmark = pytest.mark.usefixtures("no_system_files")
 NPU1_1COL = FIXTURES / "mlir-aie-npu1_1col"
 NPU2_1COL = FIXTURES / "mlir-aie-npu2_1col"
 needs_npu1 = pytest.mark.skipif(not (NPU1_1COL / "aie.xclbin").is_file(),
-                                reason=f"fixture {NPU1_1COL} absent (../shared not checked out next to the repo)")
+                                reason=f"fixture {NPU1_1COL} absent (tests/fixtures incomplete in this checkout)")
 needs_npu2 = pytest.mark.skipif(not (NPU2_1COL / "final.xclbin").is_file(),
-                                reason=f"fixture {NPU2_1COL} absent (../shared not checked out next to the repo)")
+                                reason=f"fixture {NPU2_1COL} absent (tests/fixtures incomplete in this checkout)")
 QUICK = ["--runs", "5", "--chain", "4", "--repeat", "2", "--json"]
 
 

@@ -32,7 +32,7 @@ from emu_raw import (
     run_one,
     write_addr,
 )
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 
 from amdxdna_direct import Device, Xclbin, insts
 from amdxdna_direct.emu import EmuDevice, Passthrough
@@ -40,7 +40,7 @@ from amdxdna_direct.emu.coherence import LINE, DeviceView
 from amdxdna_direct.errors import CommandError
 from amdxdna_direct.xclbin import build_mlir_aie, write
 
-NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
+NPU1_1COL = REPO_FIXTURES / "xdna" / "mlir-aie-npu1_1col"
 STALE = "were written by the CPU after the last sync"
 
 
@@ -263,7 +263,7 @@ class DropSync:
 
 def fixture_design() -> tuple[str, Xclbin, bytes, int, list]:
     if not NPU1_1COL.is_dir():
-        pytest.skip(f"../shared is absent: no fixture at {NPU1_1COL}")
+        pytest.skip(f"tests/fixtures incomplete: no fixture at {NPU1_1COL}")
     return "npu1", Xclbin.load(NPU1_1COL / "aie.xclbin"), (NPU1_1COL / "insts.bin").read_bytes(), 64, [0, None, 1]
 
 

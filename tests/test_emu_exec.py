@@ -47,7 +47,7 @@ from emu_raw import (
     txn_stream,
     write_addr,
 )
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -57,8 +57,8 @@ from amdxdna_direct.emu.memory import DeviceFault
 from amdxdna_direct.emu.models import Elementwise, Gemm, Mha, ModelRegistry, Passthrough, stream_digest
 
 BF16 = ml_dtypes.bfloat16
-NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
-NPU2_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu2_1col"
+NPU1_1COL = REPO_FIXTURES / "xdna" / "mlir-aie-npu1_1col"
+NPU2_1COL = REPO_FIXTURES / "xdna" / "mlir-aie-npu2_1col"
 
 
 def fixture(path: Path) -> bytes:

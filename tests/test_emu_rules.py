@@ -50,11 +50,11 @@ from emu_raw import (
     unpack,
     write_addr,
 )
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES, SHARED
 
 from amdxdna_direct.emu import PROFILES, DeviceFault, EmuDevice, Passthrough
 
-NPU1_1COL = SHARED / "fixtures" / "xdna" / "mlir-aie-npu1_1col"
+NPU1_1COL = REPO_FIXTURES / "xdna" / "mlir-aie-npu1_1col"
 KIB = 1 << 10
 MIB = 1 << 20
 QUERY_HW_CONTEXTS, QUERY_AIE_STATUS, QUERY_AIE_METADATA, QUERY_AIE_VERSION = 5, 0, 1, 2

@@ -1,6 +1,6 @@
 """sam3.check: the `sam3 check` sequence on generated tiny bundles (the host pieces they carry pass, every other
 check is skipped with its reason; a corrupted packed byte or token id fails the right check, exit 1), the case
-matching on masks built by hand, and the sam3-tiny fixture (../shared/fixtures/sam3-tiny) exported with its
+matching on masks built by hand, and the sam3-tiny fixture (tests/fixtures/sam3-tiny) exported with its
 float32 reference for a host and a device ViT: every line passes, the cases with the instance counts cases.json
 gives; corrupted references fail exactly their checks; the margin and min_iou tensors change the case verdicts."""
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 
 from sam3 import build, check, export, post
 from sam3.bundle import Bundle
 from sam3.check import CaseMatch, iou_matrix, main, match_case, run_check
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 HOST = ["bfp16 packing", "tokenizer", "resize + normalise", "image decoding", "text encoder"]
 STAGES = ["ViT backbone", "neck level 0", "neck level 1", "neck level 2", "DETR encoder", "DETR decoder hidden",
           "DETR decoder boxes", "DETR decoder logits", "presence", "mask decoder masks", "mask decoder semantic"]
@@ -304,7 +304,7 @@ def test_match_case_shape_errors():
 @pytest.fixture(scope="module")
 def fixture_bundles(tmp_path_factory) -> dict[str, Path]:
     if not (TINY / "hf" / "model.safetensors").is_file() or not (TINY / "reference.npz").is_file():
-        pytest.skip(f"fixture {TINY} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {TINY} absent (tests/fixtures incomplete in this checkout)")
     root = tmp_path_factory.mktemp("sam3-tiny")
     return {vit: export.export(TINY / "hf", root / vit, vit=vit, reference=TINY / "reference.npz")
             for vit in ("host", "device")}

@@ -1,6 +1,6 @@
 """sam3.decoder: the DETR decoder stage on the emulator against its float32 reference (a generated tiny bundle with
-two decoder layers), its host pieces against values and formulas worked in the test, its input errors, and, when
-../shared is present, both against the sam3-tiny fixture's transformers outputs through the exporter's bundle."""
+two decoder layers), its host pieces against values and formulas worked in the test, its input errors, and
+both against the sam3-tiny fixture's transformers outputs through the exporter's bundle."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import types
 
 import numpy as np
 import pytest
-from fixture_files import SHARED, sam3_tiny_cases
+from fixture_files import REPO_FIXTURES, sam3_tiny_cases
 
 from sam3 import decoder
 from sam3.build import Geometry, build
@@ -18,7 +18,7 @@ from sam3.bundle import Bundle
 from sam3.hostmath import cosine
 from sam3.npu import Npu, NpuError
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 
 
 def two_layer_tiny() -> Geometry:

@@ -1,5 +1,5 @@
 """sam3.export: the transformations against independent formulas (transformers' RoPE, tiling, sine embedding,
-transposed convolutions), and the fixture checkpoint (../shared/fixtures/sam3-tiny) exported for a host and a
+transposed convolutions), and the fixture checkpoint (tests/fixtures/sam3-tiny) exported for a host and a
 device ViT: both open, keep every consistency rule of the format (checked here from what was written), hold the
 checkpoint's weights transformed as docs/sam3-export.md says (checked from the safetensors), run on the emulator
 close to the float32 reference, and every refusal is provoked with a modified copy of the checkpoint."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -21,14 +21,14 @@ from sam3 import build, export, hostmath, pack
 from sam3.bundle import Bundle, BundleError
 from sam3.export import ExportError
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 HF = TINY / "hf"
 NPZ = TINY / "reference.npz"
 
 
 def _need_fixture() -> None:
     if not (HF / "model.safetensors").is_file() or not NPZ.is_file():
-        pytest.skip(f"fixture {TINY} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {TINY} absent (tests/fixtures incomplete in this checkout)")
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:

@@ -1,6 +1,6 @@
 """A wrong weight layout is caught by comparing a stage with the fixture's float32 outputs: the fixture checkpoint
 exported, then one tensor of the bundle rewritten as a faulty exporter would write it (two heads swapped, a bias
-dropped, the LayerNorm fold skipped). Needs ../shared (the sam3-tiny fixture)."""
+dropped, the LayerNorm fold skipped). Uses the sam3-tiny fixture (tests/fixtures)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import shutil
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 
 from sam3 import pack, vit
 from sam3.bundle import Bundle
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 # Above the real system's ViT bar (0.98): the exported bundle in float32 reaches > 0.9998; a layout slip in one of
 # the layers moves the output well below this.
 BAR = 0.9995
@@ -22,7 +22,7 @@ BAR = 0.9995
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     if not (TINY / "hf" / "model.safetensors").is_file():
-        pytest.skip(f"fixture {TINY} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {TINY} absent (tests/fixtures incomplete in this checkout)")
     from sam3.export import export
 
     base = tmp_path_factory.mktemp("layouts")

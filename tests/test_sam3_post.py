@@ -7,13 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 from PIL import Image
 
 from sam3 import post
 from sam3.post import COLORS, Instances, PostError
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 
 
 def _cases() -> list[dict]:
@@ -25,14 +25,14 @@ def _cases() -> list[dict]:
 def reference():
     path = TINY / "reference.npz"
     if not path.is_file():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {path} absent (tests/fixtures incomplete in this checkout)")
     with np.load(path) as z:
         yield {k: z[k] for k in z.files}
 
 
 @pytest.mark.parametrize("tag", ["thr50", "thrx"])
 @pytest.mark.parametrize("index", [c["index"] for c in _cases()] or [pytest.param(0, marks=pytest.mark.skip(
-    reason="../shared (fixtures/sam3-tiny/cases.json) absent"))])
+    reason="tests/fixtures/sam3-tiny/cases.json absent"))])
 def test_fixture_instances(reference, index, tag):
     """The fixture's raw outputs through `instances` give its post-processed instances: the same queries (found by
     their boxes in pred_boxes, not by score), scores, boxes within 0.01 px, masks within 0.1% of the pixels."""

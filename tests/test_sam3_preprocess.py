@@ -13,7 +13,7 @@ import math
 import numpy as np
 import PIL
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 from PIL import Image
 
 from sam3.preprocess import (
@@ -26,13 +26,13 @@ from sam3.preprocess import (
     resize_rgb,
 )
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 
 
 def _tiny(rel: str):
     path = TINY / rel
     if not path.exists():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {path} absent (tests/fixtures incomplete in this checkout)")
     return path
 
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -25,14 +25,14 @@ from sam3.export_text import ExportError, text_params, text_plan, text_tensors
 from sam3.hostmath import cosine, erfc, f32, from_bf16, gelu_erf, layer_norm, linear, round_bf16, softmax, to_bf16
 from sam3.text import TextError, encode_text
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 BAR = 0.9999
 
 
 def _tiny(rel: str) -> Path:
     path = TINY / rel
     if not path.exists():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {path} absent (tests/fixtures incomplete in this checkout)")
     return path
 
 

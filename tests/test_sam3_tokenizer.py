@@ -12,17 +12,17 @@ import logging
 
 import numpy as np
 import pytest
-from fixture_files import SHARED
+from fixture_files import REPO_FIXTURES
 
 from sam3.tokenizer import ClipTokenizer, TokenizerError, read_merges, read_vocab
 
-TINY = SHARED / "fixtures" / "sam3-tiny"
+TINY = REPO_FIXTURES / "sam3-tiny"
 
 
 def _tiny(rel: str):
     path = TINY / rel
     if not path.exists():
-        pytest.skip(f"fixture {path} absent (../shared not checked out next to the repo)")
+        pytest.skip(f"fixture {path} absent (tests/fixtures incomplete in this checkout)")
     return path
 
 
