@@ -8,6 +8,7 @@ Sizes come from config.json's `tracker_config` (present both in a `sam3` config 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,7 @@ class TrackerConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> TrackerConfig:
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> TrackerConfig:
         """From `model_dir/config.json`.
 
         Raises:
@@ -124,7 +125,7 @@ def _list(d: Mapping[str, Any], key: str) -> list[Any]:
     return v
 
 
-def read_config(model_dir: str | Path) -> dict[str, Any]:
+def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """`model_dir/config.json`, parsed.
 
     Raises:
@@ -140,7 +141,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     return data
 
 
-def read_weights(*model_dirs: str | Path) -> dict[str, np.ndarray]:
+def read_weights(*model_dirs: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Every tensor of every `*.safetensors` file in the directories, in order (a later file's name wins).
 
     A sharded checkpoint's files are all read; several directories let one checkpoint be split in two.
