@@ -3,7 +3,7 @@
 
     python bench/bench_segment.py [--bundle DIR] [--fixture] [--full] [--reps N]
 
---fixture exports ../shared/fixtures/sam3-tiny (the transformers checkpoint) and segments its first case;
+--fixture exports tests/fixtures/sam3-tiny (the transformers checkpoint) and segments its first case;
 --full builds (once, cached) the generated full-size bundle (1008 px, ViT 1024 x 32) and segments its reference
 image; --bundle DIR segments that bundle's reference image. Per stage: wall time, the part spent from
 submissions to completions (on the emulator: its numpy models; on an NPU: the device) and the host's share,
@@ -27,17 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sam3.demo import EMULATOR_TIMEOUT, cache_dir  # noqa: E402
 from sam3.pipeline import Sam3  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "sam3-tiny"
+TINY = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sam3-tiny"
 
 
 def fixture_bundle(work: Path) -> tuple[Path, Path, str]:
     from sam3.export import export
 
-    if not (SHARED / "hf").is_dir():
-        raise SystemExit(f"{SHARED} absent: --fixture needs ../shared beside the repository")
-    case = json.loads((SHARED / "cases.json").read_text())["cases"][0]
-    root = export(SHARED / "hf", work / "fixture", reference=SHARED / "reference.npz")
-    return root, SHARED / case["image"], case["prompt"]
+    if not (TINY / "hf").is_dir():
+        raise SystemExit(f"{TINY} absent: --fixture needs the repository's tests/fixtures")
+    case = json.loads((TINY / "cases.json").read_text())["cases"][0]
+    root = export(TINY / "hf", work / "fixture", reference=TINY / "reference.npz")
+    return root, TINY / case["image"], case["prompt"]
 
 
 def reference_image(root: Path) -> tuple[Path, Path, str]:
@@ -73,7 +73,7 @@ def measure(root: Path, image: Path, prompt: str, reps: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, help="segment this bundle's reference image")
-    p.add_argument("--fixture", action="store_true", help="export and segment the sam3-tiny fixture (../shared)")
+    p.add_argument("--fixture", action="store_true", help="export and segment the sam3-tiny fixture (tests/fixtures)")
     p.add_argument("--full", action="store_true", help="the generated full-size bundle (slow: minutes a forward)")
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
