@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from . import coherence
 from .coherence import DeviceView
@@ -19,67 +18,25 @@ from .memory import (
     AMDXDNA_BO_SHMEM,
     AMDXDNA_INVALID_ADDR,
     BACKING_NAME,
+    DEV_HEAP_CHUNK,
     Bo,
     HeapAllocator,
     HeapWindow,
     Memory,
     file_key,
+    heap_allocator,
     import_backing,
     is_bo_backing,
     new_backing,
     page_align,
 )
-from .objects import Client, HwCtx, fail
-from .profiles import Profile
-
-if TYPE_CHECKING:
-    from .driver import Faults
-    from .firmware import Firmware
+from .objects import Client, fail
+from .state import DeviceState
 
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (docs/uapi.md 4.4, 7)
 MAX_LFS_FILESIZE = (1 << 63) - 1    # shmem_file_setup refuses a larger (negative loff_t) size with EINVAL
-DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (docs/uapi.md 4.4 staging)
 SYNC_DIRECT_FROM_DEVICE = 1
 DRM_CLOEXEC, DRM_RDWR = os.O_CLOEXEC, os.O_RDWR
-
-
-class DeviceState:
-    """What the ioctl mixins of ``EmuDevice`` (``BoIoctls``, ``ContextIoctls``, ``SubmitIoctls``,
-    ``QueryIoctls``) use of the device and of each other, declared once for the type checker.
-
-    Annotations only: ``EmuDevice.__init__`` (driver.py) assigns the attributes, and the methods are those of
-    ``EmuDevice`` and ``BoIoctls``, which come before this class in ``EmuDevice``'s MRO.
-    """
-
-    profile: Profile
-    lock: threading.RLock
-    cond: threading.Condition
-    clients: list[Client]
-    lost: bool
-    closing: bool
-    live_bos: int
-    power_mode: int
-    preempt_state: dict[str, int]
-    last_async_error: dict[str, int]
-    next_map_offset: int
-    next_fw_id: int
-    exports: dict[tuple[int, int], Bo]
-    faults: Faults
-    firmware: Firmware
-
-    if TYPE_CHECKING:
-        @property
-        def contexts(self) -> list[HwCtx]: ...
-
-        def current_clocks(self) -> tuple[int, int]: ...
-
-        def hwctx_limit(self) -> int: ...
-
-        def unref_bo(self, bo: Bo) -> None: ...
-
-        def forget_failures(self, client: Client, hwctx: int | None = None) -> None: ...
-
-        def _new_dev_bo(self, client: Client, size: int, op: str, internal: bool = False) -> Bo | None: ...
 
 
 class BoIoctls(DeviceState):
@@ -355,14 +312,3 @@ class BoIoctls(DeviceState):
             if self.profile.drm_minor >= 3 and a["direction"] == SYNC_DIRECT_FROM_DEVICE:
                 if bo.dbg_ctx is None:
                     raise fail(errno.EINVAL, op, "FROM_DEVICE on a BO that is not an assigned debug buffer")
-
-
-def heap_allocator(memory: Memory) -> HeapAllocator:
-    """The allocator of an fd's heap window: made with its DEV_HEAP, or at open for an expandable heap.
-
-    Raises:
-        RuntimeError: the fd has none, yet a DEV BO is being placed or freed in its heap (an emulator bug).
-    """
-    if memory.allocator is None:
-        raise RuntimeError("a DEV BO placed or freed in the heap of an fd that has no heap allocator")
-    return memory.allocator

@@ -8,9 +8,9 @@ import logging
 
 from . import layouts as L
 from . import usermem
-from .buffers import DEV_HEAP_CHUNK, DeviceState
-from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, Bo
+from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, DEV_HEAP_CHUNK, Bo
 from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
+from .state import DeviceState
 
 log = logging.getLogger(__name__)
 

@@ -30,17 +30,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
 from . import blas, txn
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault, Memory
 from .models import Model, ModelRegistry, model_name, stream_digest
-
-if TYPE_CHECKING:
-    from .driver import EmuDevice
-    from .objects import HwCtx, Job
+from .objects import DeviceCore, HwCtx, Job
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +274,7 @@ class Firmware:
     `models` is the device's ModelRegistry; `inject` arms hang and error faults per stream.
     """
 
-    def __init__(self, device: EmuDevice, *, tdr_timeout: float = 2.0):
+    def __init__(self, device: DeviceCore, *, tdr_timeout: float = 2.0):
         """Firmware of `device` (an EmuDevice) with a TDR of `tdr_timeout` seconds; lanes start on demand.
 
         Raises:
@@ -725,7 +722,7 @@ def _runs_inline(work: Work, limit: int) -> bool:
             and sum(extent.length for extent in work.extents) <= limit)
 
 
-def _txn_dev_gen(device: EmuDevice) -> int:
+def _txn_dev_gen(device: DeviceCore) -> int:
     gen = device.profile.txn_dev_gen
     if not isinstance(gen, int) or gen <= 0:
         raise ValueError(f"profile {device.profile.name!r} has no TXN device generation")

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from . import layouts as L
 from . import usermem
-from .buffers import DeviceState
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, AMDXDNA_BO_DEV_HEAP
 from .objects import Client, HwCtx, fail
+from .state import DeviceState
 
 POWER_MODE_DEFAULT, POWER_MODE_LOW, POWER_MODE_MEDIUM, POWER_MODE_HIGH, POWER_MODE_TURBO = 0, 1, 2, 3, 4
 AMDXDNA_HWCTX_STATE_ACTIVE = 1

@@ -9,15 +9,12 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from . import usermem
-from .buffers import DeviceState
 from .memory import AMDXDNA_BO_CMD, Bo
 from .objects import Client, Fence, HwCtx, Job, Timeline, fail
-
-if TYPE_CHECKING:
-    from .driver import EmuDevice
+from .state import DeviceState
 
 HWCTX_MAX_CMDS = 4                  # jobs in flight per context (docs/uapi.md 4.7 step 6)
 MAX_CMD_BO_SIZE = 32 << 10          # CMD BO limit checked at EXEC_CMD (docs/uapi.md 4.4 CMD, 4.7 step 3)
@@ -101,8 +98,7 @@ class SubmitIoctls(DeviceState):
         ctx.syncobj.add(seq, fence)
         ctx.stats["submissions"] += 1
         # The job owns the references EXEC_CMD took until Job.complete drops them (docs/uapi.md 4.7 step 4, rule D7).
-        # This mixin exists only as a base of EmuDevice (driver.py): `self` is the device.
-        job = Job(cast("EmuDevice", self), ctx, seq, cmd_bo, arg_bos, fence)
+        job = Job(self, ctx, seq, cmd_bo, arg_bos, fence)
         ctx.jobs[seq] = job
         self.firmware.submit(job)
         return seq
