@@ -50,12 +50,14 @@ class BoIoctls(DeviceState):
     def _ioctl_gem_close(self, client: Client, a: dict[str, int]) -> None:
         with self.lock:
             bo = client.bos.pop(a["handle"], None)
+            # rule D7: an unknown handle; a job keeps its own reference (docs/driver-rules.md)
             if bo is None:
                 raise fail(errno.EINVAL, "GEM_CLOSE", f"handle={a['handle']} unknown")
             self.unref_bo(bo)
 
     def _ioctl_prime_handle_to_fd(self, client: Client, a: dict[str, int]) -> None:
         op = f"PRIME_HANDLE_TO_FD(handle={a['handle']})"
+        # rule 54: PRIME export (docs/emulator.md)
         if a["flags"] & ~(DRM_CLOEXEC | DRM_RDWR):
             raise fail(errno.EINVAL, op, f"flags={a['flags']:#x}")
         with self.lock:
@@ -82,6 +84,7 @@ class BoIoctls(DeviceState):
         itself when this device exported it (a new handle on it); else a new BO over the dma-buf's pages."""
         op = f"PRIME_FD_TO_HANDLE(fd={a['fd']})"
         try:
+            # rule 54: PRIME import (docs/emulator.md)
             key = file_key(a["fd"])
         except OSError as exc:
             raise fail(errno.EBADF, op, "not an open fd (dma_buf_get)") from exc
@@ -119,6 +122,7 @@ class BoIoctls(DeviceState):
     def _ioctl_create_bo(self, client: Client, a: dict[str, int]) -> None:
         kind, size = a["type"], a["size"]
         op = f"CREATE_BO(type={kind}, size={size:#x})"
+        # rule B1: flags and type (docs/driver-rules.md)
         if a["flags"]:
             raise fail(errno.EINVAL, op, "flags must be 0")
         makers: dict[int, Callable[[Client, dict[str, int], str], Bo]] = {
@@ -155,9 +159,11 @@ class BoIoctls(DeviceState):
             raise fail(errno.EOPNOTSUPP, op, "user-pointer / dma-buf BOs (va_tbl) are not modelled")
         if a["size"] == 0:
             raise fail(errno.EINVAL, op, "size 0 (emulator choice; the driver leaves it unchecked)")
+        # rule B2: shmem BOs are whole pages (docs/driver-rules.md)
         return self._backed_bo(AMDXDNA_BO_SHMEM, page_align(a["size"]), op)
 
     def _create_cmd(self, client: Client, a: dict[str, int], op: str) -> Bo:
+        # rule B5: room for the header; the 32 KiB ceiling waits for EXEC_CMD (docs/driver-rules.md)
         if a["size"] < 4:
             raise fail(errno.EINVAL, op, "CMD BO smaller than its 4-byte header")
         return self._backed_bo(AMDXDNA_BO_CMD, page_align(a["size"]), op)
@@ -166,6 +172,7 @@ class BoIoctls(DeviceState):
         if self.profile.expandable_heap:
             return self._add_heap_chunk(client, a["size"], op)
         size = a["size"]
+        # rule B3: one heap of at most 64 MiB per fd, at 0x4000000 (docs/driver-rules.md)
         if size > DEV_HEAP_MAX or size == 0:
             raise fail(errno.EINVAL, op, f"heap size must be 1..{DEV_HEAP_MAX:#x}")
         if client.memory.heap is not None:
@@ -276,6 +283,7 @@ class BoIoctls(DeviceState):
     def _create_dev(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if self.profile.expandable_heap:
             return self._new_window_dev_bo(client, a["size"], op, internal=False)
+        # rule B4: a mapped heap, a size that fits it, ENOSPC when full (docs/driver-rules.md)
         heap = client.memory.heap
         if heap is None:
             raise fail(errno.EINVAL, op, "no DEV_HEAP on this fd")
@@ -290,6 +298,7 @@ class BoIoctls(DeviceState):
 
     def _ioctl_get_bo_info(self, client: Client, a: dict[str, int]) -> None:
         op = f"GET_BO_INFO(handle={a['handle']})"
+        # rule B6 (docs/driver-rules.md)
         if a["ext"] or a["ext_flags"] or a["pad"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags/pad must be 0")
         with self.lock:

@@ -356,18 +356,22 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             self._put_client(client)
 
     def _dispatch(self, client: Client, entry: IoctlDef | None, op: str, request: int, buf: Buffer) -> int:
+        # rule D5: an unplugged device answers every ioctl ENODEV (docs/driver-rules.md)
         if self.lost:
             raise fail(errno.ENODEV, op, "device lost (drm_dev_is_unplugged)")
         if entry is None:
             type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
             if type_byte != DRM_IOCTL_BASE:
+                # rule D1: the type byte must be DRM's 'd' (docs/driver-rules.md)
                 raise fail(errno.ENOTTY, op, f"type byte {type_byte:#x} is not 'd'")
             nr = (request >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
+            # rule D2: a nr outside the table, or an empty slot (docs/driver-rules.md)
             raise fail(errno.EINVAL, op, f"nr {nr:#x} not in the driver's table")
         user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
         user_dir = request >> IOC_DIRSHIFT
         with self.lock:
             self.counters.ioctls[entry.name] += 1
+        # rule D4: DRM_ROOT_ONLY (SET_STATE) needs CAP_SYS_ADMIN (docs/driver-rules.md)
         if entry.root_only and not self.cap_sys_admin:
             raise fail(errno.EACCES, entry.name, "DRM_ROOT_ONLY without CAP_SYS_ADMIN")
         if entry.handler is None:
@@ -433,6 +437,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
     def _release_client(self, client: Client) -> None:
         with self.lock:
             contexts = list(client.contexts.values())
+        # rule H14: the fd's release destroys its contexts (docs/driver-rules.md)
         for ctx in contexts:
             self.destroy_context(ctx)
         with self.mm_locked(), self.lock:
@@ -510,6 +515,7 @@ class EmuSeam:
         if client.closed:
             raise fail(errno.EBADF, op, "fd closed")
         bo = next((b for b in client.bos.values() if b.map_offset == offset and b.memfd >= 0), None)
+        # rule B8: an offset of no BO of this fd (docs/driver-rules.md)
         if bo is None:
             raise fail(errno.EINVAL, op, "no BO of this fd has that map_offset")
         if private:
