@@ -18,7 +18,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sam3 import bundle as bundle_mod
 from sam3.bundle import (
     Bundle,
     BundleError,
@@ -37,6 +36,7 @@ from sam3.bundle import (
     summarize,
     unescape,
 )
+from sam3.bundle import reader as bundle_mod
 
 # The suggested tiny model of the format description: every size rule holds (docs/sam3-bundle.md 5).
 PARAMS = {
@@ -1122,3 +1122,31 @@ def test_huge_layer_counts_fail_at_the_first_missing_name(tmp_path):
     root = write_hand_bundle(tmp_path / "trk", params={**TRACKER, "trk_layers": str(2**64 - 1)},
                              uploads=UPLOADS + TRACKER_UPLOADS)
     assert _open_error(root) == "manifest.txt: param trk.2.mlp.depth missing from the manifest"
+
+
+# -------------------------------------------------------------------------------------------------------
+# The package (sam3/bundle/): every public name of the former module, from the module that owns it
+# -------------------------------------------------------------------------------------------------------
+
+# The public names sam3/bundle.py had (read from its last version), which sam3.bundle keeps.
+PUBLIC = """BLOB Bundle BundleError BundleWriter Case DEFAULT_KERNEL_NAME DTYPES DTYPE_NAMES F32_PARAMS FILE_LIMIT
+FLAG_PARAMS GEMM_KEYS GemmSpec INDEX KernelSource LIST_PARAMS MANIFEST MERGES MHA_KEYS MhaSpec OP_KEYS OpSpec Params
+READ_ALIGN Record TEXT_LIMIT TRACKER_F32_PARAMS TRACKER_LIST_PARAMS TRACKER_USIZE_PARAMS TensorInfo TensorStore
+TokTest USIZE_PARAMS VERSION VERSIONS VOCAB WRITE_ALIGN XclbinRecord escape format_summary packed_tensors parse_f32
+parse_index parse_merges parse_uint parse_vocab split_fields summarize unescape upload_tensors""".split()
+
+
+def test_the_package_keeps_every_public_name():
+    import importlib
+
+    import sam3.bundle as pkg
+
+    assert hasattr(pkg, "__path__"), "sam3.bundle is a package"
+    subs = [importlib.import_module(f"sam3.bundle.{m}") for m in ("manifest", "tensors", "reader", "writer", "summary")]
+    assert sorted(pkg.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        owners = [m for m in subs if name in vars(m)]
+        assert owners and all(getattr(m, name) is getattr(pkg, name) for m in owners), name
+    assert pkg.Bundle.__module__ == "sam3.bundle.reader" and pkg.BundleWriter.__module__ == "sam3.bundle.writer"
+    assert pkg.summarize.__module__ == "sam3.bundle.summary" and pkg.TensorStore.__module__ == "sam3.bundle.tensors"
+    assert pkg.Record.__module__ == "sam3.bundle.manifest"

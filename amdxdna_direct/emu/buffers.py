@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from . import coherence
 from .coherence import DeviceView
@@ -19,67 +18,25 @@ from .memory import (
     AMDXDNA_BO_SHMEM,
     AMDXDNA_INVALID_ADDR,
     BACKING_NAME,
+    DEV_HEAP_CHUNK,
     Bo,
     HeapAllocator,
     HeapWindow,
     Memory,
     file_key,
+    heap_allocator,
     import_backing,
     is_bo_backing,
     new_backing,
     page_align,
 )
-from .objects import Client, HwCtx, fail
-from .profiles import Profile
-
-if TYPE_CHECKING:
-    from .driver import Faults
-    from .firmware import Firmware
+from .objects import Client, fail
+from .state import DeviceState
 
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (docs/uapi.md 4.4, 7)
 MAX_LFS_FILESIZE = (1 << 63) - 1    # shmem_file_setup refuses a larger (negative loff_t) size with EINVAL
-DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (docs/uapi.md 4.4 staging)
 SYNC_DIRECT_FROM_DEVICE = 1
 DRM_CLOEXEC, DRM_RDWR = os.O_CLOEXEC, os.O_RDWR
-
-
-class DeviceState:
-    """What the ioctl mixins of ``EmuDevice`` (``BoIoctls``, ``ContextIoctls``, ``SubmitIoctls``,
-    ``QueryIoctls``) use of the device and of each other, declared once for the type checker.
-
-    Annotations only: ``EmuDevice.__init__`` (driver.py) assigns the attributes, and the methods are those of
-    ``EmuDevice`` and ``BoIoctls``, which come before this class in ``EmuDevice``'s MRO.
-    """
-
-    profile: Profile
-    lock: threading.RLock
-    cond: threading.Condition
-    clients: list[Client]
-    lost: bool
-    closing: bool
-    live_bos: int
-    power_mode: int
-    preempt_state: dict[str, int]
-    last_async_error: dict[str, int]
-    next_map_offset: int
-    next_fw_id: int
-    exports: dict[tuple[int, int], Bo]
-    faults: Faults
-    firmware: Firmware
-
-    if TYPE_CHECKING:
-        @property
-        def contexts(self) -> list[HwCtx]: ...
-
-        def current_clocks(self) -> tuple[int, int]: ...
-
-        def hwctx_limit(self) -> int: ...
-
-        def unref_bo(self, bo: Bo) -> None: ...
-
-        def forget_failures(self, client: Client, hwctx: int | None = None) -> None: ...
-
-        def _new_dev_bo(self, client: Client, size: int, op: str, internal: bool = False) -> Bo | None: ...
 
 
 class BoIoctls(DeviceState):
@@ -93,12 +50,14 @@ class BoIoctls(DeviceState):
     def _ioctl_gem_close(self, client: Client, a: dict[str, int]) -> None:
         with self.lock:
             bo = client.bos.pop(a["handle"], None)
+            # rule D7: an unknown handle; a job keeps its own reference (docs/driver-rules.md)
             if bo is None:
                 raise fail(errno.EINVAL, "GEM_CLOSE", f"handle={a['handle']} unknown")
             self.unref_bo(bo)
 
     def _ioctl_prime_handle_to_fd(self, client: Client, a: dict[str, int]) -> None:
         op = f"PRIME_HANDLE_TO_FD(handle={a['handle']})"
+        # rule 54: PRIME export (docs/emulator.md)
         if a["flags"] & ~(DRM_CLOEXEC | DRM_RDWR):
             raise fail(errno.EINVAL, op, f"flags={a['flags']:#x}")
         with self.lock:
@@ -125,6 +84,7 @@ class BoIoctls(DeviceState):
         itself when this device exported it (a new handle on it); else a new BO over the dma-buf's pages."""
         op = f"PRIME_FD_TO_HANDLE(fd={a['fd']})"
         try:
+            # rule 54: PRIME import (docs/emulator.md)
             key = file_key(a["fd"])
         except OSError as exc:
             raise fail(errno.EBADF, op, "not an open fd (dma_buf_get)") from exc
@@ -162,6 +122,7 @@ class BoIoctls(DeviceState):
     def _ioctl_create_bo(self, client: Client, a: dict[str, int]) -> None:
         kind, size = a["type"], a["size"]
         op = f"CREATE_BO(type={kind}, size={size:#x})"
+        # rule B1: flags and type (docs/driver-rules.md)
         if a["flags"]:
             raise fail(errno.EINVAL, op, "flags must be 0")
         makers: dict[int, Callable[[Client, dict[str, int], str], Bo]] = {
@@ -198,9 +159,11 @@ class BoIoctls(DeviceState):
             raise fail(errno.EOPNOTSUPP, op, "user-pointer / dma-buf BOs (va_tbl) are not modelled")
         if a["size"] == 0:
             raise fail(errno.EINVAL, op, "size 0 (emulator choice; the driver leaves it unchecked)")
+        # rule B2: shmem BOs are whole pages (docs/driver-rules.md)
         return self._backed_bo(AMDXDNA_BO_SHMEM, page_align(a["size"]), op)
 
     def _create_cmd(self, client: Client, a: dict[str, int], op: str) -> Bo:
+        # rule B5: room for the header; the 32 KiB ceiling waits for EXEC_CMD (docs/driver-rules.md)
         if a["size"] < 4:
             raise fail(errno.EINVAL, op, "CMD BO smaller than its 4-byte header")
         return self._backed_bo(AMDXDNA_BO_CMD, page_align(a["size"]), op)
@@ -209,6 +172,7 @@ class BoIoctls(DeviceState):
         if self.profile.expandable_heap:
             return self._add_heap_chunk(client, a["size"], op)
         size = a["size"]
+        # rule B3: one heap of at most 64 MiB per fd, at 0x4000000 (docs/driver-rules.md)
         if size > DEV_HEAP_MAX or size == 0:
             raise fail(errno.EINVAL, op, f"heap size must be 1..{DEV_HEAP_MAX:#x}")
         if client.memory.heap is not None:
@@ -319,6 +283,7 @@ class BoIoctls(DeviceState):
     def _create_dev(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if self.profile.expandable_heap:
             return self._new_window_dev_bo(client, a["size"], op, internal=False)
+        # rule B4: a mapped heap, a size that fits it, ENOSPC when full (docs/driver-rules.md)
         heap = client.memory.heap
         if heap is None:
             raise fail(errno.EINVAL, op, "no DEV_HEAP on this fd")
@@ -333,6 +298,7 @@ class BoIoctls(DeviceState):
 
     def _ioctl_get_bo_info(self, client: Client, a: dict[str, int]) -> None:
         op = f"GET_BO_INFO(handle={a['handle']})"
+        # rule B6 (docs/driver-rules.md)
         if a["ext"] or a["ext_flags"] or a["pad"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags/pad must be 0")
         with self.lock:
@@ -355,14 +321,3 @@ class BoIoctls(DeviceState):
             if self.profile.drm_minor >= 3 and a["direction"] == SYNC_DIRECT_FROM_DEVICE:
                 if bo.dbg_ctx is None:
                     raise fail(errno.EINVAL, op, "FROM_DEVICE on a BO that is not an assigned debug buffer")
-
-
-def heap_allocator(memory: Memory) -> HeapAllocator:
-    """The allocator of an fd's heap window: made with its DEV_HEAP, or at open for an expandable heap.
-
-    Raises:
-        RuntimeError: the fd has none, yet a DEV BO is being placed or freed in its heap (an emulator bug).
-    """
-    if memory.allocator is None:
-        raise RuntimeError("a DEV BO placed or freed in the heap of an fd that has no heap allocator")
-    return memory.allocator

@@ -8,9 +8,9 @@ import logging
 
 from . import layouts as L
 from . import usermem
-from .buffers import DEV_HEAP_CHUNK, DeviceState
-from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, Bo
+from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, DEV_HEAP_CHUNK, Bo
 from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
+from .state import DeviceState
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,14 @@ class ContextIoctls(DeviceState):
 
     def _ioctl_create_hwctx(self, client: Client, a: dict[str, int]) -> None:
         op = f"CREATE_HWCTX(num_tiles={a['num_tiles']})"
+        # rule H1 (docs/driver-rules.md)
         if a["ext"] or a["ext_flags"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags must be 0")
+        # rule H2: qos_p is read whole (24 bytes, 32 out of tree): EFAULT (docs/driver-rules.md)
         qos = L.qos_info.unpack(usermem.read(a["qos_p"], self.profile.qos_size, op + " qos_p"))
         with self.lock:
             heap = client.memory.heap
+            # rule H3: no heap ENOENT, an unmapped one EINVAL (docs/driver-rules.md)
             if heap is None:
                 raise fail(errno.ENOENT, op, "The client dev heap object not exist")
             if heap.vaddr == AMDXDNA_INVALID_ADDR:
@@ -75,6 +78,7 @@ class ContextIoctls(DeviceState):
             for _ in range(CTX_INTERNAL_BOS):
                 bo = self._new_dev_bo(client, CTX_INTERNAL_BO_SIZE, op, internal=True)
                 if bo is None:
+                    # rule H4: four command-list buffers of the heap per context (docs/driver-rules.md)
                     raise fail(errno.ENOSPC, op, "no heap room for the context's 4 command-list buffers")
                 bos.append(bo)
         except OSError:
@@ -85,6 +89,7 @@ class ContextIoctls(DeviceState):
 
     def _admit(self, client: Client, a: dict[str, int], qos: dict[str, int], op: str) -> HwCtx:
         num_tiles = a["num_tiles"]
+        # rule H5: num_tiles and the columns they make (docs/driver-rules.md)
         if num_tiles == 0:
             raise fail(errno.EINVAL, op, "Number of tiles is zero")
         num_col = num_tiles // self.profile.core_rows
@@ -96,11 +101,13 @@ class ContextIoctls(DeviceState):
         if injected is not None:
             self.faults.next_create_hwctx_errno = None
             raise fail(injected, op, "fault injected by faults.fail_next_create_hwctx")
+        # rule H7: the firmware's context limit is EINVAL (docs/driver-rules.md)
         if len(self.contexts) >= self.hwctx_limit():
             log.error("%s: command opcode %#x failed, status %#x (firmware context limit %d reached)",
                       self.profile.name, FW_MSG_CREATE_CONTEXT, errno.EINVAL, self.hwctx_limit())
             log.error("%s: create context failed", self.profile.name)
             raise fail(errno.EINVAL, op, f"firmware refused CREATE_CONTEXT (limit {self.hwctx_limit()})")
+        # rule H8: handles from 1, a new empty timeline syncobj (docs/driver-rules.md)
         handle = client.next_ctx_handle()
         if handle is None:
             raise fail(errno.EBUSY, op, f"all {MAX_HWCTX_ID} context handles of this fd are live")
@@ -123,6 +130,7 @@ class ContextIoctls(DeviceState):
             raise fail(errno.EINVAL, op, f"invalid request: {qos['gops']} GOPS x {rate}/s > {capacity}")
 
     def _starts(self, num_col: int) -> list[int]:
+        # rule H6: the legal start columns of each NPU (docs/driver-rules.md)
         prof = self.profile
         if prof.aligned_placement:
             return list(range(0, prof.columns - num_col + 1, num_col))
@@ -142,10 +150,12 @@ class ContextIoctls(DeviceState):
         for ctx in self.contexts:       # time-share a partition of identical start and width (docs/uapi.md 4.1 step 8)
             if ctx.num_col == num_col and ctx.start_col in starts:
                 return ctx.start_col
+        # rule H6: no free range and no partition to share (docs/driver-rules.md)
         raise fail(errno.ENODEV, op, f"no free range of {num_col} columns and no partition to share")
 
     def _ioctl_destroy_hwctx(self, client: Client, a: dict[str, int]) -> None:
         op = f"DESTROY_HWCTX(handle={a['handle']})"
+        # rule H10: pad, unknown handle; the teardown waits, then aborts (docs/driver-rules.md)
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")
         with self.lock:
@@ -175,11 +185,13 @@ class ContextIoctls(DeviceState):
 
     def _ioctl_config_hwctx(self, client: Client, a: dict[str, int]) -> None:
         op = f"CONFIG_HWCTX(handle={a['handle']}, param_type={a['param_type']})"
+        # rule H11: pad, param_type and context checks (docs/driver-rules.md)
         if a["pad"]:
             raise fail(errno.EINVAL, op, "pad must be 0")
         param = a["param_type"]
         data = b""
         if param == CONFIG_CU:
+            # rule H12: param_val_size above 4096 is E2BIG (docs/driver-rules.md)
             if a["param_val_size"] > MAX_CONFIG_CU_SIZE:
                 raise fail(errno.E2BIG, op, f"param_val_size={a['param_val_size']} > {MAX_CONFIG_CU_SIZE}")
             data = usermem.read(a["param_val"], a["param_val_size"], op + " param_val")
@@ -200,6 +212,7 @@ class ContextIoctls(DeviceState):
         padded = data.ljust(L.config_cu_header.size, b"\0")
         header = L.config_cu_header.unpack(padded)
         num = header["num_cus"]
+        # rule H12: the config's checks, in the driver's order (docs/driver-rules.md)
         if header["pad0"] or header["pad1"] or header["pad2"]:
             raise fail(errno.EINVAL, op, "config pad must be 0")
         if ctx.cus:
@@ -230,6 +243,7 @@ class ContextIoctls(DeviceState):
 
     def _assign_dbg(self, client: Client, ctx: HwCtx, handle: int, op: str) -> None:
         bo = self._dbg_bo(client, handle, op)
+        # rule H13: a debug buffer is assigned once (docs/driver-rules.md)
         if bo.dbg_ctx is not None:
             raise fail(errno.EBUSY, op, f"BO {handle} is already a debug buffer")
         bo.dbg_ctx = ctx
@@ -238,6 +252,7 @@ class ContextIoctls(DeviceState):
 
     def _remove_dbg(self, client: Client, ctx: HwCtx, handle: int, op: str) -> None:
         bo = self._dbg_bo(client, handle, op)
+        # rule H13: only an assigned debug buffer is removed (docs/driver-rules.md)
         if bo.dbg_ctx is not ctx:
             raise fail(errno.EINVAL, op, f"BO {handle} is not a debug buffer of context {ctx.handle}")
         bo.dbg_ctx = None

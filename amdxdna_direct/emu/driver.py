@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
 
 from . import layouts as L
 from . import usermem
-from .buffers import DEV_HEAP_CHUNK, BoIoctls, heap_allocator
+from .buffers import BoIoctls
 from .contexts import ContextIoctls
 from .firmware import Firmware, in_firmware_thread
-from .memory import AMDXDNA_INVALID_ADDR, PAGE_SIZE, Bo, page_align, release_backing
+from .memory import AMDXDNA_INVALID_ADDR, DEV_HEAP_CHUNK, PAGE_SIZE, Bo, heap_allocator, page_align, release_backing
 from .objects import Client, HwCtx, Job, fail
 from .profiles import DEFAULT_PROFILE, PROFILES, Profile
 from .queries import POWER_MODE_DEFAULT, POWER_MODE_HIGH, POWER_MODE_TURBO, QueryIoctls
+from .state import Counters, Faults
 from .submit import WAIT_SLICE_S, SubmitIoctls
 
 if TYPE_CHECKING:
@@ -61,92 +62,6 @@ DRM_COMMAND_BASE = 0x40
 DRM_VMA_OFFSET_START = 0x100000 << 12   # DRM_FILE_PAGE_OFFSET_START: fake mmap offsets begin at 4 GiB
 CLOSE_DRAIN_S = 10.0                # EmuDevice.close waits this long for ioctls still running on its fds
 FAILURES_KEPT = 256                 # failed commands whose reason EmuDevice.command_reason still answers
-
-
-# =====================================================================================================
-# Counters and faults (docs/design.md section 2)
-# =====================================================================================================
-
-class Counters:
-    """Ioctl counts by name and live-object counts of one device."""
-
-    def __init__(self, device: EmuDevice):
-        self._device = device
-        self.ioctls: collections.Counter[str] = collections.Counter()
-
-    def live(self) -> dict[str, int]:
-        """Live BOs (backing not yet released), contexts, syncobjs and user mappings."""
-        dev = self._device
-        with dev.lock:
-            return {"bos": dev.live_bos, "hwctx": len(dev.contexts),
-                    "syncobjs": sum(len(c.syncobjs) for c in dev.clients),
-                    "mappings": sum(len(c.memory.mappings) for c in dev.clients)}
-
-    @property
-    def bytes_mapped(self) -> int:
-        """Bytes currently mapped by users through the seam's mmap."""
-        with self._device.lock:
-            return sum(size for c in self._device.clients for size, _, _ in c.memory.mappings.values())
-
-
-class Faults:
-    """Fault injection (an explicit API; docs/design.md section 2)."""
-
-    def __init__(self, device: EmuDevice):
-        self._device = device
-        self.next_create_hwctx_errno: int | None = None
-        self.context_cap: int | None = None
-
-    def fail_next_create_hwctx(self, err: int) -> None:
-        """The next CREATE_HWCTX that passes argument checks fails with `err` (at the firmware step).
-
-        Raises:
-            ValueError: `err` is not an errno number.
-        """
-        if isinstance(err, bool) or err not in errno.errorcode:
-            raise ValueError(f"fail_next_create_hwctx: {err!r} is not an errno number")
-        self.next_create_hwctx_errno = err
-
-    def cap_contexts(self, n: int) -> None:
-        """Lower the firmware context limit to `n` (docs/uapi.md 4.1 step 8: the refusal is EINVAL).
-
-        Raises:
-            ValueError: `n` is not an int >= 0.
-        """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"cap_contexts: the context limit must be an int >= 0, got {n!r}")
-        self.context_cap = n
-
-    def hang(self, stream: bytes | str, count: int = 1) -> None:
-        """The next `count` runs of the stream (its bytes or sha256 hex) hang: the TDR ends them TIMEOUT.
-
-        Raises:
-            ValueError: count < 1 or a malformed digest.
-        """
-        self._device.firmware.inject("hang", stream, count)
-
-    def error(self, stream: bytes | str, count: int = 1) -> None:
-        """The next `count` runs of the stream (its bytes or sha256 hex) end with a firmware ERROR.
-
-        Raises:
-            ValueError: count < 1 or a malformed digest.
-        """
-        self._device.firmware.inject("error", stream, count)
-
-    def lose_device(self) -> None:
-        """Every later ioctl and mmap answers ENODEV (the device was unplugged, rule D5).
-
-        Calls blocked in the driver (syncobj waits, WAIT_CMD, a fifth EXEC_CMD) wake at once with ENODEV;
-        the firmware stops: queued jobs end ABORT, a running one ABORT when its model returns (or at the TDR).
-        """
-        dev = self._device
-        with dev.lock:
-            dev.lost = True
-            # Under the lock (the order EXEC_CMD's submit takes too): no waiter sees `lost` before every lane has
-            # stopped taking jobs, so a munmap it ends cannot pull a buffer from under a queued job.
-            dev.firmware.abort_all()
-            dev.cond.notify_all()
-        log.warning("%s: device lost (fault injected)", dev.profile.name)
 
 
 # =====================================================================================================
@@ -441,18 +356,22 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
             self._put_client(client)
 
     def _dispatch(self, client: Client, entry: IoctlDef | None, op: str, request: int, buf: Buffer) -> int:
+        # rule D5: an unplugged device answers every ioctl ENODEV (docs/driver-rules.md)
         if self.lost:
             raise fail(errno.ENODEV, op, "device lost (drm_dev_is_unplugged)")
         if entry is None:
             type_byte = (request >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
             if type_byte != DRM_IOCTL_BASE:
+                # rule D1: the type byte must be DRM's 'd' (docs/driver-rules.md)
                 raise fail(errno.ENOTTY, op, f"type byte {type_byte:#x} is not 'd'")
             nr = (request >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
+            # rule D2: a nr outside the table, or an empty slot (docs/driver-rules.md)
             raise fail(errno.EINVAL, op, f"nr {nr:#x} not in the driver's table")
         user_size = (request >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
         user_dir = request >> IOC_DIRSHIFT
         with self.lock:
             self.counters.ioctls[entry.name] += 1
+        # rule D4: DRM_ROOT_ONLY (SET_STATE) needs CAP_SYS_ADMIN (docs/driver-rules.md)
         if entry.root_only and not self.cap_sys_admin:
             raise fail(errno.EACCES, entry.name, "DRM_ROOT_ONLY without CAP_SYS_ADMIN")
         if entry.handler is None:
@@ -518,6 +437,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
     def _release_client(self, client: Client) -> None:
         with self.lock:
             contexts = list(client.contexts.values())
+        # rule H14: the fd's release destroys its contexts (docs/driver-rules.md)
         for ctx in contexts:
             self.destroy_context(ctx)
         with self.mm_locked(), self.lock:
@@ -595,6 +515,7 @@ class EmuSeam:
         if client.closed:
             raise fail(errno.EBADF, op, "fd closed")
         bo = next((b for b in client.bos.values() if b.map_offset == offset and b.memfd >= 0), None)
+        # rule B8: an offset of no BO of this fd (docs/driver-rules.md)
         if bo is None:
             raise fail(errno.EINVAL, op, "no BO of this fd has that map_offset")
         if private:

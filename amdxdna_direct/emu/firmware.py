@@ -30,17 +30,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
 from . import blas, txn
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, Bo, DeviceFault, Memory
 from .models import Model, ModelRegistry, model_name, stream_digest
-
-if TYPE_CHECKING:
-    from .driver import EmuDevice
-    from .objects import HwCtx, Job
+from .objects import DeviceCore, HwCtx, Job
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +126,7 @@ def read_packet(mem: memoryview) -> Packet:
     header = struct.unpack_from("<I", mem)[0]
     _, extra, count, opcode = decode_header(header)
     n_masks = 0 if opcode == ERT_CMD_CHAIN else 1 + extra
+    # rule E8: count above the mask words, the packet inside its BO, else NEW (docs/driver-rules.md)
     if count <= n_masks or 4 * count + 4 > len(mem):
         raise MalformedCommand(f"header {header:#010x}: count {count} must exceed {n_masks} mask words and "
                                f"fit the {len(mem)}-byte BO")
@@ -142,6 +140,7 @@ def cu_index(masks: tuple[int, ...]) -> int:
     Raises:
         MalformedCommand: no bit set.
     """
+    # rule E9: the lowest set bit of the first non-zero mask word (docs/driver-rules.md)
     for mask in masks:
         if mask:
             return (mask & -mask).bit_length() - 1
@@ -277,7 +276,7 @@ class Firmware:
     `models` is the device's ModelRegistry; `inject` arms hang and error faults per stream.
     """
 
-    def __init__(self, device: EmuDevice, *, tdr_timeout: float = 2.0):
+    def __init__(self, device: DeviceCore, *, tdr_timeout: float = 2.0):
         """Firmware of `device` (an EmuDevice) with a TDR of `tdr_timeout` seconds; lanes start on demand.
 
         Raises:
@@ -493,9 +492,11 @@ class Firmware:
         target = outcome.fill if outcome.fill is not None else self._fill_target(job)
         if target is None:
             return
+        # rule E12: the payload of a failed command (docs/driver-rules.md)
         _fill_payload(target.mem)
         if outcome.state == ERT_CMD_STATE_TIMEOUT:
             _write_health(target.mem, outcome.txn_op_idx)
+        # rule E11: error_index names the failed sub-command (docs/driver-rules.md)
         if outcome.error_index is not None:
             struct.pack_into("<I", job.cmd_bo.mem, CHAIN_ERROR_INDEX, outcome.error_index)
 
@@ -523,6 +524,7 @@ class Firmware:
                 raise MalformedCommand(f"chain sub-command BO {handle} has opcode {sub.opcode}, the chain needs "
                                        f"one kernel opcode ({dispatches[0].opcode if dispatches else 'any'})")
             dispatches.append(self._dispatch(job.ctx, bo, sub))
+        # rule E11: the chain's sub-commands share one opcode and fit the command list (docs/driver-rules.md)
         used = sum(d.slot_bytes for d in dispatches)
         if used > MAX_CHAIN_CMDBUF_SIZE:
             raise MalformedCommand(f"chain of {len(dispatches)} sub-commands needs {used} bytes of command list, "
@@ -534,6 +536,7 @@ class Firmware:
             return self._start_cu(ctx, bo, packet)
         if packet.opcode == ERT_START_NPU:
             return self._start_npu(ctx, bo, packet)
+        # rule E10: START_DPU is refused (docs/driver-rules.md)
         if packet.opcode == ERT_START_DPU:
             raise MalformedCommand("ERT_START_DPU is not accepted by AIE2 devices")
         if packet.opcode in (ERT_START_NPU_PREEMPT, ERT_START_NPU_PREEMPT_ELF):
@@ -554,6 +557,7 @@ class Firmware:
             raise MalformedCommand(f"ERT_START_NPU payload of {len(payload)} bytes lacks its 16-byte preamble")
         instr, size, prop_count = struct.unpack_from("<QII", payload)
         args_words = (len(payload) - START_NPU_PREAMBLE) // 4
+        # rule E10: the NPU slot's argument budget (docs/driver-rules.md)
         if prop_count > args_words or args_words > MAX_NPU_ARGS_WORDS:
             raise MalformedCommand(f"ERT_START_NPU: {prop_count} properties in {args_words} argument words "
                                    f"(at most {MAX_NPU_ARGS_WORDS})")
@@ -712,6 +716,7 @@ class Firmware:
                     lane.cond.wait(min(left, WATCH_SLICE_S))
                     continue
                 now = engine.cpu_time()
+                # rule E12: the TDR times out a job without progress (docs/driver-rules.md)
                 if now - last < self.tdr_timeout * PROGRESS_SHARE:
                     task.abandon()
                     return "closed" if lane.closing else "hung"
@@ -725,7 +730,7 @@ def _runs_inline(work: Work, limit: int) -> bool:
             and sum(extent.length for extent in work.extents) <= limit)
 
 
-def _txn_dev_gen(device: EmuDevice) -> int:
+def _txn_dev_gen(device: DeviceCore) -> int:
     gen = device.profile.txn_dev_gen
     if not isinstance(gen, int) or gen <= 0:
         raise ValueError(f"profile {device.profile.name!r} has no TXN device generation")
@@ -836,6 +841,7 @@ def _check_synced(bo: Bo, offset: int, length: int, what: str) -> None:
     Raises:
         FirmwareError: naming `what`, the BO's handle and type, and the byte range within the BO.
     """
+    # rule 56: the device reads a buffer as of its last SYNC_BO (docs/emulator.md)
     if bo.view is None:
         return
     start = bo.view_offset + offset

@@ -30,6 +30,7 @@ AMDXDNA_INVALID_ADDR = (1 << 64) - 1
 AIE2_DEVM_BASE = 0x4000000          # device address of the heap (docs/uapi.md 4.4 DEV_HEAP)
 PAGE_SIZE = 4096
 DEV_BO_ALIGN = 32 << 10             # DEV BOs start 32 KiB aligned (docs/uapi.md 4.4 DEV, 7)
+DEV_HEAP_CHUNK = 64 << 20           # expandable heap: sizes are multiples of AIE2_DEVM_SIZE (docs/uapi.md 4.4 staging)
 BACKING_NAME = "amdxdna-"           # memfd name prefix of every emulated BO's pages (a dma-buf's fd link shows it)
 
 
@@ -360,3 +361,14 @@ def _check_edge(addr: int, length: int, bo: Bo, offset: int, mapped: int | None,
         raise DeviceFault(f"device access [{addr:#x}, {addr + length:#x}) runs {length - mapped} bytes past the end "
                           f"of {what} of {bo.kind_name} BO handle {bo.handle} (the rest of the BO is not mapped "
                           f"there)")
+
+
+def heap_allocator(memory: Memory) -> HeapAllocator:
+    """The allocator of an fd's heap window: made with its DEV_HEAP, or at open for an expandable heap.
+
+    Raises:
+        RuntimeError: the fd has none, yet a DEV BO is being placed or freed in its heap (an emulator bug).
+    """
+    if memory.allocator is None:
+        raise RuntimeError("a DEV BO placed or freed in the heap of an fd that has no heap allocator")
+    return memory.allocator

@@ -10,15 +10,14 @@ import collections
 import errno
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from . import usermem
 from .memory import Bo, HeapAllocator, Memory
-
-if TYPE_CHECKING:
-    from .driver import EmuDevice
+from .profiles import Profile
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,22 @@ def fail(code: int, op: str, detail: str) -> OSError:
     message = f"{os.strerror(code)} [emu {op}: {errno.errorcode.get(code, code)} ({detail})]"
     log.debug("%s: %s (%s)", op, errno.errorcode.get(code, code), detail)
     return OSError(code, message)
+
+
+class DeviceCore(Protocol):
+    """What the driver's objects and the firmware use of the device (``EmuDevice``, declared by
+    ``state.DeviceState``): they sit below it and never import it."""
+
+    profile: Profile
+    lock: threading.RLock
+    cond: threading.Condition
+    lost: bool
+    closing: bool
+    pasids: dict[int, int]
+
+    def unref_bo(self, bo: Bo) -> None: ...
+
+    def record_failure(self, job: Job, state: int, reason: str) -> None: ...
 
 
 # =====================================================================================================
@@ -141,7 +156,7 @@ class HwCtx:
 class Job:
     """One EXEC_CMD submission handed to the firmware."""
 
-    def __init__(self, device: EmuDevice, ctx: HwCtx, seq: int, cmd_bo: Bo, arg_bos: list[Bo], fence: Fence):
+    def __init__(self, device: DeviceCore, ctx: HwCtx, seq: int, cmd_bo: Bo, arg_bos: list[Bo], fence: Fence):
         self.device = device
         self.ctx = ctx
         self.seq = seq
@@ -185,7 +200,7 @@ class Job:
 class Client:
     """Per-fd driver state (amdxdna_client + drm_file): handle tables, heap, contexts, syncobjs."""
 
-    def __init__(self, device: EmuDevice):
+    def __init__(self, device: DeviceCore):
         self.device = device
         self.pid = os.getpid()
         self.comm = usermem.process_name()      # the opener's task comm (the OOT hwctx entry's name)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from . import layouts as L
 from . import usermem
-from .buffers import DeviceState
 from .memory import AMDXDNA_BO_CMD, AMDXDNA_BO_DEV, AMDXDNA_BO_DEV_HEAP
 from .objects import Client, HwCtx, fail
+from .state import DeviceState
 
 POWER_MODE_DEFAULT, POWER_MODE_LOW, POWER_MODE_MEDIUM, POWER_MODE_HIGH, POWER_MODE_TURBO = 0, 1, 2, 3, 4
 AMDXDNA_HWCTX_STATE_ACTIVE = 1
@@ -36,6 +36,7 @@ class QueryIoctls(DeviceState):
     """
 
     def _ioctl_version(self, client: Client, a: dict[str, int]) -> None:
+        # rule D6: major 0, the feature level as minor; strings cut, full length reported (docs/driver-rules.md)
         a.update(version_major=0, version_minor=self.profile.drm_minor, version_patchlevel=0)
         for key, value in (("name", DRIVER_NAME), ("date", DRIVER_DATE), ("desc", DRIVER_DESC)):
             data = value.encode()
@@ -59,6 +60,7 @@ class QueryIoctls(DeviceState):
             OSError: EOPNOTSUPP for a param the driver does not know (or not yet, at this DRM minor).
         """
         entry = table.get(param)
+        # rule I1: an unknown param is EOPNOTSUPP (docs/driver-rules.md)
         if entry is None or self.profile.drm_minor < entry[1]:
             raise fail(errno.EOPNOTSUPP, op, f"Not supported request parameter (DRM minor {self.profile.drm_minor})")
         # The handlers' arguments differ by table (GET_ARRAY's take the client first).
@@ -78,6 +80,7 @@ class QueryIoctls(DeviceState):
     def _info_aie_status(self, a: dict[str, int], op: str) -> None:
         status = L.query_aie_status.unpack(usermem.read(a["buffer"], L.query_aie_status.size, op))
         prof = self.profile
+        # rule I2: the status buffer against the columns (docs/driver-rules.md)
         if status["buffer_size"] > prof.columns * prof.col_size:
             raise fail(errno.EINVAL, op, f"status buffer_size={status['buffer_size']} > cols x col_size")
         cols = sorted({c for ctx in self.contexts for c in range(ctx.start_col, ctx.start_col + ctx.num_col)})
@@ -89,6 +92,7 @@ class QueryIoctls(DeviceState):
         usermem.write(a["buffer"], L.query_aie_status.pack(status), op)
 
     def _info_aie_metadata(self, a: dict[str, int], op: str) -> None:
+        # rule I3: answers from the profile (docs/driver-rules.md)
         prof = self.profile
         values = {"col_size": prof.col_size, "cols": prof.columns, "rows": prof.rows,
                   "version_major": prof.aie_arch[0], "version_minor": prof.aie_arch[1]}
@@ -107,9 +111,11 @@ class QueryIoctls(DeviceState):
             op)
 
     def _info_sensors(self, a: dict[str, int], op: str) -> None:
+        # rule I3: no sensors on AIE2 (docs/driver-rules.md)
         raise fail(errno.EOPNOTSUPP, op, "no sensors on AIE2 (7.0; PMF unavailable)")
 
     def _info_hw_contexts(self, a: dict[str, int], op: str) -> None:
+        # rule I4: every context (docs/driver-rules.md)
         entries = b"".join(L.query_hwctx.pack({
             "context_id": ctx.handle, "start_col": ctx.start_col, "num_col": ctx.num_col, "pid": ctx.pid,
             "command_submissions": ctx.stats["submissions"], "command_completions": ctx.stats["completions"],
@@ -159,6 +165,7 @@ class QueryIoctls(DeviceState):
 
     def _ioctl_get_array(self, client: Client, a: dict[str, int]) -> None:
         op = f"GET_ARRAY(param={a['param']})"
+        # rule I5: GET_ARRAY's argument checks (docs/driver-rules.md)
         if a["pad"] or a["num_element"] == 0 or a["element_size"] == 0:
             raise fail(errno.EINVAL, op, "pad must be 0, num_element and element_size non-zero")
         handler = self._param_handler(_GET_ARRAY, a["param"], op)
@@ -166,6 +173,7 @@ class QueryIoctls(DeviceState):
             handler(client, a, op)
 
     def _array_hwctx_all(self, client: Client, a: dict[str, int], op: str) -> None:
+        # rule I5: HW_CONTEXT_ALL's bounds; rule 55: the entry size and count (docs/emulator.md)
         if a["element_size"] > 4096 or a["num_element"] > 1024:
             raise fail(errno.EINVAL, op, "element_size must be 1..4096 and num_element <= 1024")
         # The driver packs entries at min(element_size, its own sizeof) and fits as many as the caller's
@@ -220,6 +228,7 @@ class QueryIoctls(DeviceState):
     def _set_power_mode(self, a: dict[str, int], op: str) -> None:
         request = L.set_power_mode.unpack(usermem.read(a["buffer"], L.set_power_mode.size, op + " buffer"))
         mode = request["power_mode"]
+        # rule I6: pad, mode, LOW/MEDIUM, TURBO with contexts (docs/driver-rules.md)
         if any(request["pad"]):
             raise fail(errno.EINVAL, op, "pad must be 0")
         if mode > POWER_MODE_TURBO:

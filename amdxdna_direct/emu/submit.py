@@ -9,15 +9,12 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from . import usermem
-from .buffers import DeviceState
 from .memory import AMDXDNA_BO_CMD, Bo
 from .objects import Client, Fence, HwCtx, Job, Timeline, fail
-
-if TYPE_CHECKING:
-    from .driver import EmuDevice
+from .state import DeviceState
 
 HWCTX_MAX_CMDS = 4                  # jobs in flight per context (docs/uapi.md 4.7 step 6)
 MAX_CMD_BO_SIZE = 32 << 10          # CMD BO limit checked at EXEC_CMD (docs/uapi.md 4.4 CMD, 4.7 step 3)
@@ -44,10 +41,12 @@ class SubmitIoctls(DeviceState):
 
     def _ioctl_exec_cmd(self, client: Client, a: dict[str, int]) -> None:
         op = f"EXEC_CMD(hwctx={a['hwctx']}, cmd={a['cmd_handles'] & 0xFFFFFFFF})"
+        # rule E1: ext and type (docs/driver-rules.md)
         if a["ext"] or a["ext_flags"]:
             raise fail(errno.EINVAL, op, "ext/ext_flags must be 0")
         if a["type"] != AMDXDNA_CMD_SUBMIT_EXEC_BUF:
             raise fail(errno.EINVAL, op, f"Invalid command type {a['type']}")
+        # rule E2: arg_count, cmd_count, the args array (docs/driver-rules.md)
         if a["arg_count"] > MAX_ARG_COUNT:
             raise fail(errno.EINVAL, op, f"arg_count={a['arg_count']} > {MAX_ARG_COUNT}")
         if a["cmd_count"] != 1:
@@ -57,6 +56,7 @@ class SubmitIoctls(DeviceState):
         with self.lock:
             cmd_bo, arg_bos = self._exec_bos(client, a["cmd_handles"] & 0xFFFFFFFF, arg_handles, op)
             ctx = client.contexts.get(a["hwctx"])
+            # rule E5: the context is looked up after the BOs (docs/driver-rules.md)
             if ctx is None:
                 raise fail(errno.EINVAL, op, "hwctx not found")
             # The lookups take the references (docs/uapi.md 4.7 step 4), before the wait for a slot: a GEM_CLOSE
@@ -75,6 +75,7 @@ class SubmitIoctls(DeviceState):
 
     def _wait_for_slot(self, ctx: HwCtx, op: str) -> None:
         """Block (lock released) while the context has HWCTX_MAX_CMDS jobs in flight (docs/uapi.md 4.7 step 6)."""
+        # rule E6: four jobs in flight, a fifth waits (docs/driver-rules.md)
         while ctx.inflight >= HWCTX_MAX_CMDS and not (ctx.destroyed or self.lost or self.closing):
             self.cond.wait()
         if self.lost or self.closing:
@@ -84,25 +85,27 @@ class SubmitIoctls(DeviceState):
 
     def _exec_bos(self, client: Client, cmd_handle: int, arg_handles: list[int], op: str) -> tuple[Bo, list[Bo]]:
         cmd_bo = client.bos.get(cmd_handle)
+        # rule E3: a CMD BO of at most 32 KiB (docs/driver-rules.md)
         if cmd_bo is None or cmd_bo.kind != AMDXDNA_BO_CMD or cmd_bo.size > MAX_CMD_BO_SIZE:
             raise fail(errno.EINVAL, op, "Failed to get cmd bo (must be a CMD BO <= 32 KiB)")
         arg_bos = []
         for handle in arg_handles:
             bo = client.bos.get(handle)
             if bo is None:
+                # rule E4: an unknown arg handle; the job references every arg BO (docs/driver-rules.md)
                 raise fail(errno.ENOENT, op, f"arg handle {handle} not found")
             arg_bos.append(bo)
         return cmd_bo, arg_bos
 
     def _submit(self, ctx: HwCtx, cmd_bo: Bo, arg_bos: list[Bo]) -> int:
+        # rule E7: seq from 0, the fence at timeline point seq (docs/driver-rules.md)
         seq = ctx.next_seq
         ctx.next_seq += 1
         fence = Fence()
         ctx.syncobj.add(seq, fence)
         ctx.stats["submissions"] += 1
         # The job owns the references EXEC_CMD took until Job.complete drops them (docs/uapi.md 4.7 step 4, rule D7).
-        # This mixin exists only as a base of EmuDevice (driver.py): `self` is the device.
-        job = Job(cast("EmuDevice", self), ctx, seq, cmd_bo, arg_bos, fence)
+        job = Job(self, ctx, seq, cmd_bo, arg_bos, fence)
         ctx.jobs[seq] = job
         self.firmware.submit(job)
         return seq
@@ -111,6 +114,7 @@ class SubmitIoctls(DeviceState):
         op = f"WAIT_CMD(hwctx={a['hwctx']}, seq={a['seq']})"
         if not self.profile.wait_cmd:
             raise fail(errno.EOPNOTSUPP, op, "AIE2 has no cmd_wait op upstream; wait on the hwctx syncobj")
+        # rule E13: context, seq and timeout checks (docs/driver-rules.md)
         with self.lock:
             ctx = client.contexts.get(a["hwctx"])
             if ctx is None:
@@ -194,6 +198,7 @@ class SubmitIoctls(DeviceState):
         points = self._points(a, op) if points_key else [0] * len(timelines)
         deadline = _deadline(a["timeout_nsec"])
         with self.lock:
+            # rule D8: a point not yet submitted needs WAIT_FOR_SUBMIT (docs/driver-rules.md)
             if not flags & DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT:
                 for index, (tl, point) in enumerate(zip(timelines, points, strict=True)):
                     if tl.fences_for(point) is None:
