@@ -19,7 +19,7 @@ from .memory import Bo
 from .objects import Client, HwCtx, Job
 from .profiles import Profile
 
-log = logging.getLogger("amdxdna_direct.emu.driver")
+log = logging.getLogger(__name__)
 
 
 class DeviceState:
