@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_files import fixture
 
 from amdxdna_direct import pyxrt as xrt
-from fixture_files import fixture
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "pyxrt_scripts" / "run_passthrough.py"
