@@ -121,3 +121,31 @@ def test_edge_cases(npu1):
     assert [x.get_name() for x in xrt.xclbin(str(npu1[0])).get_kernels()[0].get_args()][:3] == [
         "opcode", "instr", "ninstr"]
     assert a.size() == 68 and a.address() != 0 and len(a.map()) >= 68
+
+
+def test_wait_timeout_returns_timeout_state(npu1):
+    device, ctx, kernel, bo_instr, n, (a, b, c) = setup(npu1)
+    emu = device._dev.emulator
+    emu.faults.hang(bytes(bo_instr.read(n * 4, 0)))
+    h = kernel(3, bo_instr, n, a, b, c)
+    assert h.wait(50) == xrt.ert_cmd_state.ERT_CMD_STATE_TIMEOUT
+
+
+def test_sync_of_a_range_and_write_at_an_offset(npu1):
+    device, ctx, kernel, bo_instr, n, (a, b, c) = setup(npu1)
+    a.write(np.arange(17, dtype=np.int32), 0)
+    a.write(np.array([99], dtype=np.int32), 8)
+    a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE, 68, 0)
+    assert kernel(3, bo_instr, n, a, b, c).wait() == xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+    c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE, 16, 0)   # only the first 16 bytes
+    np.testing.assert_array_equal(c.read(16, 0).view(np.int32), [0, 1, 99, 3])
+
+
+def test_amdxdna_trace_decodes_the_scripts_ioctls(npu1):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "amdxdna_direct.cli", "trace", "--", sys.executable, "-m",
+                           "amdxdna_direct.pyxrt", str(SCRIPT), *map(str, npu1)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "PASS!" in done.stdout
+    assert "EXEC_CMD" in done.stdout + done.stderr and "CREATE_HWCTX" in done.stdout + done.stderr
