@@ -18,6 +18,7 @@ import re
 import resource
 import stat
 import subprocess
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,6 @@ from . import insts as insts_mod
 from .device import Device, open_device, pci_generation
 from .errors import ContextUnavailableError, DeviceLostError, XdnaError, errno_text
 from .hwctx import create_hwctx, release_context
-from .insts import BlockWrite, DdrPatch
 from .xclbin import Xclbin, build_mlir_aie
 
 if TYPE_CHECKING:
@@ -1181,7 +1181,7 @@ def check_self_test(dev: Device, xclbin: str | os.PathLike[str] | bytes | None =
                            "pass a passthrough design (e.g. mlir-aie passthrough_dmas) with --xclbin and --insts")
     try:
         design, stream = _load_design(xclbin, insts) if xclbin is not None else _emulator_design(dev)
-        extents = stream_extents(stream)
+        extents = _passthrough_extents(stream)
     except ValueError as exc:
         return CheckResult("self-test", FAIL, f"self-test design unusable: {exc}",
                            "give a passthrough design: `amdxdna xclbin X` and `amdxdna insts I` show what is wrong")
@@ -1218,19 +1218,20 @@ def _emulator_design(dev: Device) -> tuple[Xclbin, insts_mod.Stream]:
 
 
 def stream_extents(stream: insts_mod.Stream) -> dict[int, int]:
-    """Byte length of each patched buffer: word 0 of the BD whose address word the patch targets (docs/doctor.md 5).
+    """Deprecated: :func:`amdxdna_direct.insts.buffer_reach` (the one buffer-reach computation, docs/runtime.md
+    1.4), with the self-test's check that at least two buffers are patched.
 
     Raises:
-        ValueError: a patched BD is not written by a BLOCKWRITE of the stream (its length is unknown), or
-            fewer than two buffers are patched (no passthrough).
+        ValueError: fewer than two buffers are patched (no passthrough).
     """
-    lengths = {op.addr: 4 * op.words[0] for op in stream.ops if isinstance(op, BlockWrite) and op.words}
-    extents = {}
-    for op in (op for op in stream.ops if isinstance(op, DdrPatch)):
-        if op.reg_addr - 4 not in lengths:
-            raise ValueError(f"self-test stream: the BD patched at {op.reg_addr:#x} (slot {op.arg_idx}) is not "
-                             "written by a BLOCKWRITE, so its length is unknown")
-        extents[op.arg_idx] = lengths[op.reg_addr - 4]
+    warnings.warn("amdxdna_direct.doctor.stream_extents is deprecated: use amdxdna_direct.insts.buffer_reach",
+                  DeprecationWarning, stacklevel=2)
+    return _passthrough_extents(stream)
+
+
+def _passthrough_extents(stream: insts_mod.Stream) -> dict[int, int]:
+    """Bytes each patched buffer must hold (docs/doctor.md 5). Raises: ValueError: fewer than two are patched."""
+    extents = insts_mod.buffer_reach(stream)
     if len(extents) < 2:
         raise ValueError(f"self-test stream patches buffer slots {sorted(extents)}; a passthrough needs two")
     return extents

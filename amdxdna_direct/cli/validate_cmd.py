@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import insts, open_device
 from ..device import Device
-from ..doctor import bind_model, is_emulated, stream_extents
+from ..doctor import bind_model, is_emulated
 from ..emu.models import Passthrough
 from ..errors import Error, XdnaError, errno_text
 from ..files import FileRefused
@@ -295,7 +295,7 @@ def validate_design(dev: Device, design: Design, runs: int, chain: int, repeat: 
     try:
         xclbin = _load("xclbin", Xclbin.load, design.xclbin)
         stream = _load("instruction stream", insts.load, design.insts)
-        extents = stream_extents(stream)
+        extents = insts.buffer_reach(stream)
     except ValueError as exc:
         return {**report, "status": "fail", "detail": str(exc)}
     report["buffers"] = {f"bo{slot}": size for slot, size in sorted(extents.items())}
