@@ -22,14 +22,15 @@ import struct
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import NamedTuple, overload
 
 from .errors import Error
 from .files import read_file
 
 __all__ = [
-    "VERSION_2024", "VERSION_CURRENT", "OP_NAMES", "BlockWrite", "DdrPatch", "InstsError", "MaskWrite", "Op", "RawOp",
-    "Stream", "Sync", "Write32", "decode", "dma_stream", "encode", "encode_words", "layout", "load", "raw_ops",
+    "VERSION_2024", "VERSION_CURRENT", "OP_NAMES", "BdLayout", "BlockWrite", "BufferReach", "DdrPatch", "InstsError",
+    "MaskWrite", "Op", "RawOp", "SHIM_BD_LAYOUTS", "ShimBd", "Stream", "Sync", "Write32", "bd_span", "buffer_reach",
+    "buffer_reaches", "decode", "dma_stream", "encode", "encode_words", "layout", "load", "raw_ops",
 ]
 
 U32_MAX = 0xFFFF_FFFF
@@ -772,3 +773,214 @@ def _buffer_ops(dev_gen: int, tile: int, bd_id: int, arg_idx: int, nbytes: int, 
     else:
         ops.append(Write32(addr=ctrl + 4, value=bd_id))
     return ops
+
+
+# --------------------------------------------------------------------------------------------- buffer reach
+#
+# How far a stream's shim DMA reaches into each buffer argument, from every word of the buffer descriptor the
+# generation defines (docs/runtime.md 1.4). A DDR_PATCH writes "buffer arg_idx + arg_plus" into word 1 of a shim
+# BD; the BD's other words, as the stream last wrote them before the patch, say which words from that address
+# the DMA moves: its length, three address dimensions (D0, D1 with a wrap and a step, D2 with a step) and the
+# iteration dimension (a wrap and a step applied between repeats of the BD).
+
+TILE_OFFSET_MASK = (1 << 20) - 1     # a tile's register offset within its address (docs/xrt-sequence.md 2.3)
+SHIM_BD_WORDS = 8
+
+
+class _Field(NamedTuple):
+    word: int
+    shift: int
+    bits: int
+
+    def get(self, words: Sequence[int]) -> int:
+        return (words[self.word] >> self.shift) & ((1 << self.bits) - 1)
+
+
+@dataclass(frozen=True)
+class BdLayout:
+    """Where one generation's shim BD keeps the fields that decide the DMA's reach (docs/runtime.md 1.4).
+
+    Steps and the iteration wrap are stored less one; a D0/D1 wrap of 0 means the dimension does not wrap.
+    """
+
+    name: str
+    length: _Field
+    d0_wrap: _Field
+    d0_step: _Field
+    d1_wrap: _Field
+    d1_step: _Field
+    d2_step: _Field
+    iter_wrap: _Field
+    iter_step: _Field
+
+
+# The shim (NOC module) BD of AIE2 (NPU1, TXN dev_gen 3) and AIE2P (NPU4/5/6, dev_gen 4): the same eight words
+# in both (aie-rt's XAIEMLGBL_ / XAIE2PGBL_NOC_MODULE_DMA_BD0_* fields; docs/runtime.md 1.4).
+_AIE_ML_SHIM_BD = dict(length=_Field(0, 0, 32), d0_wrap=_Field(3, 20, 10), d0_step=_Field(3, 0, 20),
+                       d1_wrap=_Field(4, 20, 10), d1_step=_Field(4, 0, 20), d2_step=_Field(5, 0, 20),
+                       iter_wrap=_Field(6, 20, 6), iter_step=_Field(6, 0, 20))
+#: TXN dev_gen -> the shim BD layout of that generation.
+SHIM_BD_LAYOUTS = {3: BdLayout("aie2", **_AIE_ML_SHIM_BD), 4: BdLayout("aie2p", **_AIE_ML_SHIM_BD)}
+
+
+@dataclass(frozen=True)
+class ShimBd:
+    """The reach-deciding fields of one shim BD, decoded: all in 32-bit words, steps and wraps as counts.
+
+    ``d0_wrap``/``d1_wrap`` 0 = that dimension never wraps; ``iter_wrap`` is the number of iteration offsets (1 =
+    none). ``layout`` is None for a generation whose BD layout is not known: then only ``length`` is read.
+    """
+
+    length: int
+    d0_wrap: int = 0
+    d0_step: int = 1
+    d1_wrap: int = 0
+    d1_step: int = 1
+    d2_step: int = 1
+    iter_wrap: int = 1
+    iter_step: int = 1
+    layout: str | None = None
+
+    @classmethod
+    def decode(cls, words: Sequence[int], dev_gen: int) -> ShimBd:
+        """The BD of ``words`` (its eight words, unwritten ones 0) in generation ``dev_gen``'s layout."""
+        layout = SHIM_BD_LAYOUTS.get(dev_gen)
+        if layout is None:
+            return cls(length=words[0])
+        return cls(length=layout.length.get(words), d0_wrap=layout.d0_wrap.get(words),
+                   d0_step=layout.d0_step.get(words) + 1, d1_wrap=layout.d1_wrap.get(words),
+                   d1_step=layout.d1_step.get(words) + 1, d2_step=layout.d2_step.get(words) + 1,
+                   iter_wrap=layout.iter_wrap.get(words) + 1, iter_step=layout.iter_step.get(words) + 1,
+                   layout=layout.name)
+
+
+def bd_span(bd: ShimBd) -> int:
+    """Bytes from the BD's address to one past the furthest byte its DMA moves (0 for a length of 0).
+
+    Element n of the BD's ``length`` words sits at ``i0*d0_step + i1*d1_step + i2*d2_step`` words, with n split
+    by the wraps (i0 = n mod d0_wrap, i1 = n / d0_wrap mod d1_wrap, i2 the rest; a wrap of 0 ends the split
+    there), plus ``k*iter_step`` for iteration k < ``iter_wrap``. The maximum is computed, not walked.
+    """
+    if bd.length <= 0:
+        return 0
+    dims: list[tuple[int, int]] = []
+    for wrap, step in ((bd.d0_wrap, bd.d0_step), (bd.d1_wrap, bd.d1_step)):
+        if wrap == 0:
+            dims.append((0, step))
+            break
+        dims.append((wrap, step))
+    else:
+        dims.append((0, bd.d2_step))
+    furthest = _furthest(bd.length - 1, dims) + (bd.iter_wrap - 1) * bd.iter_step
+    return 4 * (furthest + 1)
+
+
+def _furthest(last: int, dims: Sequence[tuple[int, int]]) -> int:
+    """Max over n in 0..last of n's word offset, n split innermost-first by ``dims`` ((wrap, step); the last
+    dimension's wrap is 0: unbounded). Either n's outer part is last's with the inner index at last's, or the
+    outer part is one less with the inner index at its top (every step is positive)."""
+    wrap, step = dims[0]
+    if wrap == 0:
+        return last * step
+    outer, inner = divmod(last, wrap)
+    best = inner * step + _furthest(outer, dims[1:])
+    if outer:
+        best = max(best, (wrap - 1) * step + _furthest(outer - 1, dims[1:]))
+    return best
+
+
+class BufferReach(NamedTuple):
+    """How far a stream's DMA reaches into one buffer argument (docs/runtime.md 1.4).
+
+    ``nbytes`` (= ``arg_plus + span``) is what the buffer must hold, from the DDR_PATCH that reaches furthest:
+    ``op_index`` (its position among the stream's ops) at word ``word``, patching the address of shim buffer
+    descriptor ``bd`` of column ``column``, whose length word says ``length`` bytes and whose strides, wraps and
+    iterations spread them over ``span`` bytes. ``layout`` names the BD layout read (None: only the length).
+    """
+
+    arg_idx: int
+    nbytes: int
+    op_index: int
+    word: int
+    bd: int
+    column: int
+    length: int
+    arg_plus: int
+    span: int = 0
+    layout: str | None = None
+
+
+def buffer_reaches(stream: Stream | bytes | bytearray | memoryview) -> dict[int, BufferReach]:
+    """Per buffer argument (DDR_PATCH ``arg_idx``), how far the stream's DMA reads or writes into it, with the
+    patch and BD that decide it.
+
+    The BD words are the last values the stream wrote there before the patch (WRITE32, MASKWRITE, BLOCKWRITE),
+    as the firmware sees them; a word never written is 0. A patch of a BD whose length word the stream never
+    wrote is left out (the firmware refuses such a stream; nothing to compare a buffer with). One pass over the
+    ops; a BLOCKWRITE is compared with the few BD words patched, not walked.
+
+    Raises:
+        InstsError: the stream's bytes are malformed, or its version is unknown.
+    """
+    if not isinstance(stream, Stream):
+        stream = decode(stream)
+    bases = {op.reg_addr - 4 for op in stream.ops if isinstance(op, DdrPatch)}
+    if not bases:
+        return {}
+    wanted = {base + 4 * k: (base, k) for base in bases for k in range(SHIM_BD_WORDS)}
+    starts = layout(stream)
+    bds: dict[int, list[int | None]] = {}
+    out: dict[int, BufferReach] = {}
+    for index, op in enumerate(stream.ops):
+        if isinstance(op, DdrPatch):
+            reach = _patch_reach(stream, op, index, starts[index], bds.get(op.reg_addr - 4))
+            if reach is not None and (op.arg_idx not in out or reach.nbytes > out[op.arg_idx].nbytes):
+                out[op.arg_idx] = reach
+        else:
+            _record_bd_words(op, wanted, bds)
+    return out
+
+
+def buffer_reach(stream: Stream | bytes | bytearray | memoryview) -> dict[int, int]:
+    """Per buffer argument, the bytes the buffer must hold for the stream's DMA: ``buffer_reaches`` in bytes.
+
+    Raises:
+        InstsError: as :func:`buffer_reaches`.
+    """
+    return {arg: reach.nbytes for arg, reach in buffer_reaches(stream).items()}
+
+
+def _record_bd_words(op: Op, wanted: dict[int, tuple[int, int]], bds: dict[int, list[int | None]]) -> None:
+    def store(addr: int, value: int) -> None:
+        base, k = wanted[addr]
+        bds.setdefault(base, [None] * SHIM_BD_WORDS)[k] = value & U32_MAX
+
+    if isinstance(op, Write32):
+        if op.addr in wanted:
+            store(op.addr, op.value)
+    elif isinstance(op, MaskWrite):
+        if op.addr in wanted:
+            base, k = wanted[op.addr]
+            old = bds.get(base, [None] * SHIM_BD_WORDS)[k] or 0
+            store(op.addr, (old & ~op.mask) | (op.value & op.mask))
+    elif isinstance(op, BlockWrite):
+        end = op.addr + 4 * len(op.words)
+        if len(op.words) < len(wanted):
+            for i, value in enumerate(op.words):
+                if op.addr + 4 * i in wanted:
+                    store(op.addr + 4 * i, value)
+        else:
+            for addr in wanted:
+                if op.addr <= addr < end and not (addr - op.addr) % 4:
+                    store(addr, op.words[(addr - op.addr) // 4])
+
+
+def _patch_reach(stream: Stream, op: DdrPatch, index: int, word: int,
+                 words: list[int | None] | None) -> BufferReach | None:
+    if words is None or words[0] is None:
+        return None
+    bd = ShimBd.decode([w or 0 for w in words], stream.dev_gen)
+    span = bd_span(bd)
+    bd_id = ((op.reg_addr & TILE_OFFSET_MASK) - SHIM_BD_BASE) // SHIM_BD_STRIDE
+    return BufferReach(op.arg_idx, op.arg_plus + span, index, word, bd_id, op.reg_addr >> COL_SHIFT,
+                       4 * bd.length, op.arg_plus, span, bd.layout)

@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,7 +43,6 @@ DEFAULT_TIMEOUT = 10.0
 #: The timeout that waits without bound (``wait(timeout=FOREVER)``); only the driver's TDR ends such a wait.
 FOREVER = math.inf
 _INT64_MAX = (1 << 63) - 1
-_TILE_OFFSET_MASK = (1 << 20) - 1     # a tile's register offset within its address (docs/runtime.md 1.4)
 _U32_MAX = (1 << 32) - 1
 _FAILED_STATES = {cmd.ERT_CMD_STATE_ERROR: errno.EIO, cmd.ERT_CMD_STATE_ABORT: errno.ECANCELED,
                   cmd.ERT_CMD_STATE_TIMEOUT: errno.ETIME, cmd.ERT_CMD_STATE_NORESPONSE: errno.EIO}
@@ -178,65 +177,9 @@ def check_regmap(kernel: Any) -> None:
                       f"{CMD_BO_SIZE}-byte command packet ({MAX_REGMAP_BYTES} bytes after its header and CU mask)")
 
 
-class BufferExtent(NamedTuple):
-    """How far an instruction stream's DMA reaches into one buffer argument (docs/runtime.md 1.4).
-
-    ``nbytes`` (= ``arg_plus + length``) is what the buffer must hold, from the DDR_PATCH that reaches
-    furthest: ``op_index`` (its position among the stream's ops) at word ``word``, patching the address of
-    shim buffer descriptor ``bd`` of column ``column`` whose length word says ``length`` bytes.
-    """
-
-    arg_idx: int
-    nbytes: int
-    op_index: int
-    word: int
-    bd: int
-    column: int
-    length: int
-    arg_plus: int
-
-
-def stream_extents(stream: insts_mod.Stream) -> dict[int, BufferExtent]:
-    """Per buffer argument (DDR_PATCH ``arg_idx``), how many bytes the stream's DMA reads or writes through it.
-
-    A DDR_PATCH writes ``buffer address + arg_plus`` into a shim BD's address word (``reg_addr``); the BD's
-    length (word 0, in 32-bit words, at ``reg_addr - 4``) is the last value the stream wrote there before the
-    patch, by WRITE32, MASKWRITE or BLOCKWRITE, as the firmware sees it. A patch of a BD whose length the
-    stream never wrote is left out (the firmware refuses such a stream; nothing to compare a buffer with).
-    One pass over the ops; a BLOCKWRITE is compared with the few length words patched, not walked.
-
-    Raises:
-        InstsError: the stream's version is unknown (its op layout cannot be computed).
-    """
-    patches = [op for op in stream.ops if isinstance(op, insts_mod.DdrPatch)]
-    if not patches:
-        return {}
-    wanted = {op.reg_addr - 4 for op in patches}
-    starts = insts_mod.layout(stream)
-    lengths: dict[int, int] = {}
-    out: dict[int, BufferExtent] = {}
-    for index, op in enumerate(stream.ops):
-        if isinstance(op, insts_mod.Write32):
-            if op.addr in wanted:
-                lengths[op.addr] = op.value & _U32_MAX
-        elif isinstance(op, insts_mod.MaskWrite):
-            if op.addr in wanted:
-                lengths[op.addr] = ((lengths.get(op.addr, 0) & ~op.mask) | (op.value & op.mask)) & _U32_MAX
-        elif isinstance(op, insts_mod.BlockWrite):
-            end = op.addr + 4 * len(op.words)
-            for addr in wanted:
-                if op.addr <= addr < end and not (addr - op.addr) % 4:
-                    lengths[addr] = op.words[(addr - op.addr) // 4] & _U32_MAX
-        elif isinstance(op, insts_mod.DdrPatch):
-            words = lengths.get(op.reg_addr - 4)
-            if words is None:
-                continue
-            bd = ((op.reg_addr & _TILE_OFFSET_MASK) - insts_mod.SHIM_BD_BASE) // insts_mod.SHIM_BD_STRIDE
-            extent = BufferExtent(op.arg_idx, op.arg_plus + 4 * words, index, starts[index], bd,
-                                  op.reg_addr >> insts_mod.COL_SHIFT, 4 * words, op.arg_plus)
-            if op.arg_idx not in out or extent.nbytes > out[op.arg_idx].nbytes:
-                out[op.arg_idx] = extent
-    return out
+# One implementation of a stream's buffer reach serves the runtime, the doctor and sam3 (docs/runtime.md 1.4).
+BufferExtent = insts_mod.BufferReach
+stream_extents = insts_mod.buffer_reaches
 
 
 def _check_extents(kernel: Kernel, extents: dict[int, BufferExtent], buffers: Sequence[Bo | None]) -> None:

@@ -17,8 +17,13 @@ from __future__ import annotations
 import logging as _logging
 from typing import Any
 
+from amdxdna_direct import extensions as _extensions
+
 # A library logs; the application decides where it goes (the `sam3` command prints warnings: docs/sam3-cli.md).
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
+# `amdxdna validate --bundle` reads SAM3 bundles through this hook, never by importing sam3 (docs/cli.md).
+_extensions.register_bundle_reader("sam3", "sam3.validate_hook:bundle_kernels")
 
 __all__ = ["Sam3"]
 

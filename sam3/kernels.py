@@ -239,22 +239,13 @@ def _word_text(words: np.ndarray, index: int) -> str:
 
 
 def stream_extents(stream: bytes | bytearray | memoryview) -> dict[int, int]:
-    """arg_idx -> bytes of the buffer descriptor each DDR_PATCH of the stream points at (summed per argument).
+    """arg_idx -> bytes each argument's buffer must hold for the stream's DMA: ``amdxdna_direct.insts.buffer_reach``
+    (from every word of the shim BDs the DDR_PATCH ops point at; docs/runtime.md 1.4).
 
     Raises:
         amdxdna_direct.insts.InstsError: a malformed stream.
-        StreamError: a DDR_PATCH of a descriptor whose length was never written.
     """
-    lengths: dict[int, int] = {}
-    extents: dict[int, int] = {}
-    for op in insts.decode(stream).ops:
-        if isinstance(op, insts.BlockWrite) and op.words:
-            lengths[op.addr] = op.words[0] * 4
-        elif isinstance(op, insts.DdrPatch):
-            if op.reg_addr - 4 not in lengths:
-                raise StreamError(f"DDR_PATCH of arg {op.arg_idx} at {op.reg_addr:#x}: descriptor length unwritten")
-            extents[op.arg_idx] = extents.get(op.arg_idx, 0) + lengths[op.reg_addr - 4]
-    return extents
+    return insts.buffer_reach(stream)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -902,3 +902,9 @@ def test_pci_scan_finds_the_npu_and_its_driver(tmp_path):
     assert npus == [doctor.PciDevice(NPU_SLOT, 0x17F0, 0x10, 0x118000, "amdxdna")]
     assert npus[0].name == "1022:17f0 rev 10 (NPU4/5/6 (Strix Point, Strix Halo, Krackan), npu4)"
     assert doctor.scan_pci(tmp_path / "nothing") is None
+
+
+def test_doctor_stream_extents_is_a_deprecated_alias_of_the_one_buffer_reach():
+    stream = insts.dma_stream(4, [(0, 128, "in"), (1, 64, "out")])
+    with pytest.warns(DeprecationWarning, match="insts.buffer_reach"):
+        assert doctor.stream_extents(stream) == insts.buffer_reach(stream) == {0: 128, 1: 64}

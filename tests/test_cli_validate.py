@@ -17,6 +17,7 @@ import pytest
 import test_cli_isolation
 from fixture_files import FIXTURES
 
+import sam3  # noqa: F401  (registers its bundle reader, as the installed entry point does)
 from amdxdna_direct import insts, open_device
 from amdxdna_direct.cli import main, validate_cmd
 from amdxdna_direct.emu import EmuDevice
@@ -265,3 +266,29 @@ def test_bundle_interface_missing_is_skipped_with_a_clear_message(tmp_path, caps
     monkeypatch.setitem(sys.modules, "sam3.bundle", None)  # import sam3.bundle raises ImportError
     assert main(["validate", "--device", "emu:npu4", "--bundle", str(tmp_path)]) == 2
     assert f"--bundle {tmp_path}: skipped: the sam3 package is not importable" in capsys.readouterr().err
+
+
+def test_bundle_designs_come_from_registered_readers_not_from_an_import(tmp_path, capsys, monkeypatch):
+    from amdxdna_direct import extensions
+
+    monkeypatch.setattr(extensions, "_READERS", {})
+    monkeypatch.setattr(extensions, "BUNDLE_READER_GROUP", "amdxdna_direct.no_such_group")
+    assert main(["validate", "--device", "emu:npu4", "--bundle", str(tmp_path)]) == 2
+    assert "skipped: no bundle reader is registered" in capsys.readouterr().err
+    seen = []
+    extensions.register_bundle_reader("test", lambda d: seen.append(d) or [])
+    assert validate_cmd.find_bundle_designs(str(tmp_path)) == ([], "")
+    assert seen == [str(tmp_path)]
+    with pytest.raises(TypeError):
+        extensions.register_bundle_reader("bad", 3)
+
+
+def test_cli_conventions_shared_by_both_command_lines(capsys):
+    from amdxdna_direct.cli import conventions
+
+    assert conventions.error_document("check", "boom", file="x") == {
+        "schema": 1, "command": "check", "ok": False, "error": "boom", "file": "x"}
+    assert conventions.report_failure("sam3", "check", "a\nb", as_json=True) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"] == "a\nb" and err == "sam3 check: a\\nb\n"
+    assert conventions.version_line("sam3").startswith("sam3 (amdxdna-direct) ")

@@ -380,3 +380,105 @@ def test_fuzz_loading_raises_only_insts_error(data):
     except InstsError:
         return
     assert insts.decode(insts.encode(s)) == s
+
+
+# -- buffer reach from the whole shim BD (docs/runtime.md 1.4) --------------------------------------------------
+#
+# The BD words are encoded here by hand from the shim BD layout of AIE2 and AIE2P (docs/runtime.md 1.4): word 0
+# length in words; word 3 D0 wrap bits 29:20, D0 step-1 bits 19:0; word 4 D1 wrap 29:20, D1 step-1 19:0 (burst
+# length 31:30); word 5 D2 step-1 19:0 (AxCache 27:24); word 6 iteration wrap-1 25:20, step-1 19:0; word 7 valid.
+# The oracle walks every element's address one by one.
+
+
+def bd_words(length, d0=(0, 1), d1=(0, 1), d2_step=1, iteration=(1, 1), burst=0x8000_0000):
+    return (length, 0, 0, d0[0] << 20 | (d0[1] - 1), burst | d1[0] << 20 | (d1[1] - 1), 0x0200_0000 | (d2_step - 1),
+            (iteration[0] - 1) << 20 | (iteration[1] - 1), 0x0200_0000)
+
+
+def walked_span(length, d0=(0, 1), d1=(0, 1), d2_step=1, iteration=(1, 1)):
+    furthest = -1
+    for k in range(iteration[0]):
+        for n in range(length):
+            if d0[0] == 0:
+                offset = n * d0[1]
+            elif d1[0] == 0:
+                offset = n % d0[0] * d0[1] + n // d0[0] * d1[1]
+            else:
+                offset = n % d0[0] * d0[1] + n // d0[0] % d1[0] * d1[1] + n // (d0[0] * d1[0]) * d2_step
+            furthest = max(furthest, offset + k * iteration[1])
+    return 4 * (furthest + 1) if length else 0
+
+
+def bd_stream(dev_gen, bds, arg_plus=0):
+    """A stream that BLOCKWRITEs each BD i of ``bds`` and patches its address with buffer i."""
+    ops = []
+    for i, words in enumerate(bds):
+        base = insts.SHIM_BD_BASE + insts.SHIM_BD_STRIDE * i
+        ops += [BlockWrite(addr=base, words=words), DdrPatch(reg_addr=base + 4, arg_idx=i, arg_plus=arg_plus)]
+    return Stream(major=0, minor=1, dev_gen=dev_gen, rows=6, cols=1, mem_tile_rows=1, ops=tuple(ops))
+
+
+STRIDED_BDS = [
+    dict(length=64),
+    dict(length=48, d0=(4, 1), d1=(3, 10), d2_step=40),                  # 3-D tile of a row-major matrix
+    dict(length=37, d0=(5, 2), d1=(3, 7), d2_step=3),                    # a partial last D2 step
+    dict(length=24, d0=(8, 1), d1=(0, 16)),                              # D1 never wraps
+    dict(length=30, d0=(6, 1), d1=(5, 100), d2_step=1),                  # D2 steps back below D1's reach
+    dict(length=16, iteration=(4, 64)),                                  # four iterations 256 bytes apart
+    dict(length=12, d0=(3, 4), d1=(2, 1), d2_step=2, iteration=(3, 5)),
+    dict(length=0),
+]
+
+
+@pytest.mark.parametrize("dev_gen", [3, 4])
+@pytest.mark.parametrize("bd", STRIDED_BDS)
+def test_buffer_reach_follows_every_bd_word(dev_gen, bd):
+    stream = bd_stream(dev_gen, [bd_words(**bd)], arg_plus=8)
+    reach = insts.buffer_reaches(stream)[0]
+    assert reach.span == walked_span(**bd)
+    assert reach.nbytes == 8 + walked_span(**bd) and insts.buffer_reach(stream) == {0: reach.nbytes}
+    assert (reach.length, reach.arg_plus, reach.bd, reach.layout) == (4 * bd["length"], 8, 0,
+                                                                       {3: "aie2", 4: "aie2p"}[dev_gen])
+    assert insts.buffer_reach(insts.encode(stream)) == {0: reach.nbytes}          # bytes decode the same
+
+
+@pytest.mark.parametrize("dev_gen", [3, 4])
+def test_buffer_reach_of_the_sam3_overlapping_row_conv(dev_gen):
+    """C=256: D=768, K=3072, lda=1536 (bf16): an M-row chunk view is ((M-1)*lda + K)*2 bytes. One BD moves all M
+    rows: rows of K elements = 1536 words, as D0 768 words x D1 2 steps of 768 words (D0's wrap has 10 bits), and
+    D2 steps lda = 768 words to the next row. Its length (M*K*2 bytes) is twice the view; its reach is the view."""
+    m, k, lda = 16, 3072, 1536
+    words = bd_words(m * k // 2, d0=(768, 1), d1=(2, 768), d2_step=lda // 2)
+    reach = insts.buffer_reaches(bd_stream(dev_gen, [words]))[0]
+    assert reach.nbytes == ((m - 1) * lda + k) * 2 == 52224
+    assert reach.length == m * k * 2
+
+
+def test_buffer_reach_reads_the_last_write_of_each_bd_word_before_the_patch():
+    base = insts.SHIM_BD_BASE
+    stream = bd_stream(4, [bd_words(16)])
+    ops = list(stream.ops)
+    ops.insert(1, Write32(addr=base + 12, value=4 << 20 | 9))                  # D0: wrap 4, step 10
+    ops.insert(2, MaskWrite(addr=base + 16, value=2 << 20, mask=0x3FF0_0000))  # D1: wrap 2 (step 1 kept)
+    ops.append(Write32(addr=base, value=1 << 20))                             # after the patch: not read
+    reach = insts.buffer_reaches(Stream(**{**stream.__dict__, "ops": tuple(ops)}))[0]
+    assert reach.span == walked_span(16, d0=(4, 10), d1=(2, 1)) == 4 * (3 * 10 + 1 + 1 + 1)
+
+
+def test_buffer_reach_of_unknown_generations_and_unwritten_bds():
+    words = bd_words(16, d0=(4, 1), d1=(2, 100))
+    assert insts.buffer_reaches(bd_stream(7, [words]))[0][1:] == (64, 1, 16, 0, 0, 64, 0, 64, None)  # length only
+    unwritten = Stream(major=0, minor=1, dev_gen=4, rows=6, cols=1, mem_tile_rows=1,
+                       ops=(DdrPatch(reg_addr=insts.SHIM_BD_BASE + 4, arg_idx=0, arg_plus=0),))
+    assert insts.buffer_reach(unwritten) == {}
+    # Two BDs for one buffer: the one reaching furthest decides.
+    two = bd_stream(4, [bd_words(16), bd_words(8, iteration=(3, 100))])
+    two = Stream(**{**two.__dict__, "ops": two.ops[:3] + (DdrPatch(reg_addr=0x1D024, arg_idx=0, arg_plus=0),)})
+    assert insts.buffer_reaches(two)[0].bd == 1 and insts.buffer_reach(two) == {0: 4 * (200 + 8)}
+    with pytest.raises(InstsError):
+        insts.buffer_reach(b"\1\0\0")
+
+
+def test_buffer_reach_of_the_fixtures():
+    assert insts.buffer_reach(insts.load(fixture("mlir-aie-npu1_1col/insts.bin"))) == {0: 0x11 * 4, 2: 0x10 * 4}
+    assert insts.buffer_reach(insts.dma_stream(4, [(0, 1024, "in"), (1, 512, "out")])) == {0: 1024, 1: 512}

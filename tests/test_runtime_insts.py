@@ -226,3 +226,36 @@ class _Gate:
         self.entered.set()
         self.release.wait(10)
         Passthrough()(args)
+
+
+# -- buffer reach from every BD word (docs/runtime.md 1.4) -------------------------------------------------
+
+
+def _conv_stream(dev_gen: int, m: int = 16, k: int = 3072, lda: int = 1536) -> bytes:
+    """dma_stream's two buffers, BD 0 rewritten as SAM3's overlapping-row conv A: M rows of K bf16 at row stride
+    lda in one BD (length M*K*2 bytes; D0 768 words, D1 2 x 768 words, D2 lda/2 words; hand-encoded fields)."""
+    stream = insts.dma_stream(dev_gen, [(0, m * k * 2, "in"), (1, 256, "out")])
+    bd0 = stream.ops[0]
+    words = list(bd0.words)
+    words[3] = 768 << 20 | 0                        # D0 wrap 768, step 1
+    words[4] = words[4] & 0xC000_0000 | 2 << 20 | (768 - 1)   # burst kept; D1 wrap 2, step 768
+    words[5] = words[5] & 0x0F00_0000 | (lda // 2 - 1)      # AxCache kept; D2 step lda/2 words
+    ops = (insts.BlockWrite(addr=bd0.addr, words=tuple(words)),) + stream.ops[1:]
+    return insts.encode(insts.Stream(**{**stream.__dict__, "ops": ops}))
+
+
+@pytest.mark.parametrize("profile, dev_gen", [("npu1", 3), ("npu4", 4)])
+def test_the_overlapping_row_conv_view_is_accepted_and_a_short_one_refused(profile, dev_gen):
+    m, k, lda = 16, 3072, 1536
+    view = ((m - 1) * lda + k) * 2                  # 52224 bytes, where the BD's length says 98304
+    stream = _conv_stream(dev_gen, m, k, lda)
+    with open_device(f"emu:{profile}") as dev:
+        ctx = dev.hw_context(build_mlir_aie(b"pdi", column_width=1, n_buffers=2))
+        kernel = ctx.kernel()
+        parent = dev.bo(2 * view)
+        out = dev.bo(256)
+        kernel.prepare_npu(stream, [parent.sub(view // 2 // 4096 * 4096, view), out])       # accepted
+        before = {name: dev.stats[name] for name in ("CREATE_BO", "EXEC_CMD")}
+        with pytest.raises(ValueError, match=rf"bo0 .* is a {view - 4}-byte buffer, .* its DMA reaches {view} bytes"):
+            kernel.prepare_npu(stream, [parent.sub(0, view - 4), out])
+        assert {name: dev.stats[name] for name in before} == before     # refused before any ioctl of the run

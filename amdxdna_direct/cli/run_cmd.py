@@ -28,7 +28,7 @@ from ..device import Device
 from ..doctor import bind_model, is_emulated
 from ..emu.models import Gemm, Passthrough
 from ..errors import Error, XdnaError, errno_text
-from ..kernel import Run, stream_extents
+from ..kernel import Run
 from ..xclbin import Xclbin
 from . import Subparsers, add_device_option, command_parser, dump_json, fail, shown
 
@@ -235,7 +235,7 @@ class _Job:
             if self.model is not None:
                 bind_model(dev.emulator, self.stream, self.model)
             with dev.hw_context(self.xclbin, kernel=self.kernel) as ctx:
-                extents = {slot: extent.nbytes for slot, extent in stream_extents(self.stream).items()}
+                extents = insts.buffer_reach(self.stream)
                 buffers = {slot: self._buffer(dev, slot, extents.get(slot, 0)) for slot in self.slots}
                 kernel = ctx.kernel(self.kernel)
                 slots = range(max(buffers, default=-1) + 1)

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import insts, open_device
+from .. import extensions, insts, open_device
 from ..device import Device
-from ..doctor import bind_model, is_emulated, stream_extents
+from ..doctor import bind_model, is_emulated
 from ..emu.models import Passthrough
 from ..errors import Error, XdnaError, errno_text
 from ..files import FileRefused
@@ -194,24 +194,25 @@ def _generation_hint(device: Any) -> str | None:
 
 
 def find_bundle_designs(directory: str, model: Any = None) -> tuple[list[Design], str]:
-    """The kernels of the bundle in ``directory`` through ``sam3.bundle.Bundle.open`` / ``kernel_keys`` /
-    ``kernel``; ([], why) when that interface is not importable, ([], why) for a bundle it refuses.
+    """The kernels of the bundle in ``directory``, from the bundle readers other packages register
+    (``amdxdna_direct.extensions``: sam3 registers one); ([], why) when none is registered or none reads it.
 
-    Each kernel carries the model of what it computes (``sam3.kernels.model_for``: the bundle's manifest says
-    it), bound on the emulator so that the bundle's own streams run there; ``--model`` overrides it."""
-    try:
-        from sam3 import kernels as sam3_kernels
-        from sam3.bundle import Bundle
-    except ImportError as exc:
-        return [], f"--bundle {directory}: skipped: the sam3 package is not importable ({exc})"
-    try:
-        with Bundle.open(directory) as bundle:
-            kernels = [(key, bundle.kernel(key), sam3_kernels.model_for(bundle, key, bundle.insts_bytes(key)))
-                       for key in bundle.kernel_keys()]
-    except (OSError, ValueError, KeyError) as exc:
-        return [], f"--bundle {directory}: skipped: the bundle cannot be opened: {exc}"
-    return [Design(f"bundle {key}", k.xclbin, k.insts, k.name, isinstance(model, Passthrough), model or own)
-            for key, k, own in kernels], ""
+    Each kernel carries the model of what it computes (the reader's), bound on the emulator so that the
+    bundle's own streams run there; ``--model`` overrides it."""
+    readers = extensions.bundle_readers()
+    if not readers:
+        return [], (f"--bundle {directory}: skipped: no bundle reader is registered (install the sam3 extra, whose "
+                    f"entry point group {extensions.BUNDLE_READER_GROUP} provides one)")
+    reasons = []
+    for name, reader in readers.items():
+        try:
+            kernels = extensions.load_reader(reader)(directory)
+        except extensions.BundleUnavailable as exc:
+            reasons.append(str(exc) if len(readers) == 1 else f"{name}: {exc}")
+            continue
+        return [Design(f"bundle {k.key}", k.xclbin, k.insts, k.kernel, isinstance(model, Passthrough),
+                       model or k.model) for k in kernels], ""
+    return [], f"--bundle {directory}: skipped: {'; '.join(reasons)}"
 
 
 def read_ar(data: bytes) -> dict[str, bytes]:
@@ -295,7 +296,7 @@ def validate_design(dev: Device, design: Design, runs: int, chain: int, repeat: 
     try:
         xclbin = _load("xclbin", Xclbin.load, design.xclbin)
         stream = _load("instruction stream", insts.load, design.insts)
-        extents = stream_extents(stream)
+        extents = insts.buffer_reach(stream)
     except ValueError as exc:
         return {**report, "status": "fail", "detail": str(exc)}
     report["buffers"] = {f"bo{slot}": size for slot, size in sorted(extents.items())}
