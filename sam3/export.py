@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from sam3 import build, export_text, pack
+from sam3 import build, export_text, export_tracker, pack
 from sam3.build import GemmShape, Geometry, GeometryError, MhaShape
 from sam3.bundle import GEMM_KEYS, MHA_KEYS, OP_KEYS, Bundle, BundleWriter
 from sam3.export_text import ExportError
@@ -739,6 +739,7 @@ class _Exporter:
         if self.ref is not None:
             self.ref.records(self.w)
         for stage in (self.vit, self.neck, self.detr_encoder, self.detr_decoder, self.scoring, self.mask_decoder,
+                      lambda: export_tracker.write(self),
                       self.text, self.tokenizer):
             stage()
             self.ck.release()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sam3 import preprocess, tracker_decoder, tracker_neck, tracker_post, tracker_prompt, tracker_vit
+from sam3 import (
+    preprocess,
+    tracker_bundle,
+    tracker_decoder,
+    tracker_neck,
+    tracker_post,
+    tracker_prompt,
+    tracker_vit,
+    vit,
+)
+from sam3.bundle import Bundle
+from sam3.npu import Npu
 from sam3.post import rle_encode
 from sam3.tracker_config import F32Array, TrackerConfig, TrackerError, has_tracker, read_config, read_weights
 
@@ -123,34 +134,119 @@ def check_prompt(points: Any, labels: Any, box: Any, width: int, height: int) ->
     return pts, lab.astype(np.int64), bx
 
 
-class Points:
-    """The tracker path on the host over a checkpoint's tensors (a dict of arrays by checkpoint name)."""
+class HostImage:
+    """The image side on the host from a checkpoint: the float32 ViT (`tracker_vit`) and tracker neck."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]):
-        """
+    def __init__(self, weights: Mapping[str, np.ndarray], config: Mapping[str, Any], cfg: TrackerConfig):
+        self.weights, self.cfg = weights, cfg
+        self.vit_cfg = tracker_vit.VitConfig.from_config(config)
+        tracker_vit.prefix(weights)
+
+    def __call__(self, pixels: np.ndarray, timing: dict[str, float]) -> list[F32Array]:
+        t0 = time.perf_counter()
+        vit_out = tracker_vit.forward(self.weights, self.vit_cfg, pixels)
+        t1 = time.perf_counter()
+        emb = tracker_neck.image_embeddings(self.weights, self.cfg, vit_out)
+        timing.update(vit=t1 - t0, neck=time.perf_counter() - t1)
+        return emb
+
+
+class NpuImage:
+    """The image side from a bundle on an `Npu`: the bundle's ViT and the tracker neck on the neck's kernels."""
+
+    def __init__(self, npu: Npu):
+        self.vit = vit.Vit(npu)
+        self.neck = tracker_neck.NpuNeck(npu)
+
+    def __call__(self, pixels: np.ndarray, timing: dict[str, float]) -> list[F32Array]:
+        t0 = time.perf_counter()
+        vit_out = self.vit.forward(pixels)
+        t1 = time.perf_counter()
+        emb = self.neck.forward(vit_out)
+        timing.update(vit=t1 - t0, neck=time.perf_counter() - t1)
+        return emb
+
+
+class Points:
+    """The tracker path: an image side (`HostImage` or `NpuImage`) and the host prompt encoder, decoder and
+    selection over the tracker's tensors (a dict of arrays by checkpoint name).
+
+    Use `Points.from_checkpoint(dir)` (all on the host), `Points.from_bundle(dir, device)` (ViT and neck on the
+    NPU, owning its `Npu`; close it) or `Points.on_npu(npu)` (sharing an open one).
+    """
+
+    def __init__(self, weights: Mapping[str, np.ndarray], cfg: TrackerConfig,
+                 encode: Callable[[np.ndarray, dict[str, float]], list[F32Array]],
+                 image_pe: np.ndarray | None = None, owned: Npu | None = None):
+        self.weights, self.cfg, self.encode, self._owned = weights, cfg, encode, owned
+        self.image_pe = tracker_prompt.image_pe(weights, cfg) if image_pe is None else image_pe
+        self.dense = tracker_prompt.dense(weights, cfg)
+        self._key: object = None
+        self._side: ImageSide | None = None
+
+    @classmethod
+    def from_tensors(cls, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> Points:
+        """All on the host, from a checkpoint's tensors and its parsed config.json.
+
         Raises:
             TrackerError: the checkpoint has no tracker (config or tensors), or no ViT backbone.
         """
         if not has_tracker(weights):
             raise TrackerError("checkpoint has no tracker tensors (tracker_model.*, tracker_neck.*)")
-        self.weights = weights
-        self.cfg = TrackerConfig.from_config(config)
-        self.vit_cfg = tracker_vit.VitConfig.from_config(config)
-        tracker_vit.prefix(weights)
-        self.image_pe = tracker_prompt.image_pe(weights, self.cfg)
-        self.dense = tracker_prompt.dense(weights, self.cfg)
-        self._key: object = None
-        self._side: ImageSide | None = None
+        cfg = TrackerConfig.from_config(config)
+        return cls(weights, cfg, HostImage(weights, config, cfg))
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | os.PathLike[str], *more_dirs: str | os.PathLike[str]) -> Points:
-        """From a checkpoint directory (config.json and its safetensors files); `more_dirs` add tensors kept
-        elsewhere (a checkpoint split in two).
+        """All on the host, from a checkpoint directory (config.json and its safetensors files); `more_dirs` add
+        tensors kept elsewhere (a checkpoint split in two).
 
         Raises:
             TrackerError: unreadable config, no tracker, no backbone.
         """
-        return cls(read_weights(model_dir, *more_dirs), read_config(model_dir))
+        return cls.from_tensors(read_weights(model_dir, *more_dirs), read_config(model_dir))
+
+    @classmethod
+    def on_npu(cls, npu: Npu) -> Points:
+        """On an open `Npu` whose bundle has the tracker (`tracker=1`); the `Npu` stays the caller's.
+
+        Raises:
+            TrackerError: the bundle has no tracker.
+            BundleError: a tracker tensor is missing.
+        """
+        cfg = tracker_bundle.config(npu.bundle)
+        image_pe = np.array(npu.bundle.tensors.get("trk.image_pe", "f32")).reshape(-1, cfg.width)
+        return cls(tracker_bundle.weights(npu.bundle, cfg), cfg, NpuImage(npu), image_pe)
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle | str | os.PathLike[str], device: Any = None) -> Points:
+        """On a bundle (a directory or an open `Bundle`) on `device` (as `sam3.npu.Npu` takes it); close() it.
+
+        Raises:
+            TrackerError: the bundle has no tracker.
+            BundleError: the bundle is invalid or lacks a tracker tensor.
+            XdnaError: the device could not be opened.
+        """
+        npu = Npu(bundle, device)
+        try:
+            out = cls.on_npu(npu)
+        except BaseException:
+            npu.close()
+            raise
+        out._owned = npu
+        return out
+
+    def close(self) -> None:
+        """Releases the `Npu` this object opened (from_bundle). Idempotent."""
+        if self._owned is not None:
+            self._owned.close()
+            self._owned = None
+
+    def __enter__(self) -> Points:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _rgb(self, image: Any) -> tuple[np.ndarray, object]:
         if isinstance(image, (str, os.PathLike)):
@@ -178,11 +274,8 @@ class Points:
         timing = {} if timing is None else timing
         t0 = time.perf_counter()
         pixels = preprocess.preprocess(rgb, self.cfg.image_size)
-        t1 = time.perf_counter()
-        vit_out = tracker_vit.forward(self.weights, self.vit_cfg, pixels)
-        t2 = time.perf_counter()
-        emb = tracker_neck.image_embeddings(self.weights, self.cfg, vit_out)
-        timing.update(preprocess=t1 - t0, vit=t2 - t1, neck=time.perf_counter() - t2)
+        timing["preprocess"] = time.perf_counter() - t0
+        emb = self.encode(pixels, timing)
         self._key, self._side = key, ImageSide(emb, int(rgb.shape[1]), int(rgb.shape[0]))
         return self._side
 

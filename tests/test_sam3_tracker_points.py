@@ -39,7 +39,7 @@ def run(pts, c, multimask=None):
 @pytest.mark.parametrize("i", CASES)
 def test_host_vit_matches_the_reference(pts, fx, i):
     ref, _ = fx
-    out = tracker_vit.forward(pts.weights, pts.vit_cfg, ref(i, "pixel_values"))
+    out = tracker_vit.forward(pts.weights, pts.encode.vit_cfg, ref(i, "pixel_values"))
     assert np.abs(out - ref(i, "vit_out")).max() < 1e-5 * np.abs(ref(i, "vit_out")).max()
     assert np.abs(preprocess.preprocess(ref(i, "rgb"), pts.cfg.image_size) - ref(i, "pixel_values")).max() < 1e-6
 

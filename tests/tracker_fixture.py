@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fixture_files import SHARED
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 HERE = Path(__file__).resolve().parent / "fixtures"
 NAME = "sam3-tiny-tracker"
@@ -84,3 +84,16 @@ class Reference:
 
     def has(self, i: int, name: str) -> bool:
         return f"pcase.{i}.{name}" in self.npz.files
+
+
+def full_checkpoint(out: Path) -> Path:
+    """One checkpoint directory holding detector and tracker (`model.safetensors` the union, the tracker's
+    config.json, sam3-tiny's tokenizer and processor files), as the shared original has it."""
+    out.mkdir(parents=True, exist_ok=True)
+    det = detector_dir()
+    for f in det.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "config.json").write_text((tracker_dir() / "hf" / "config.json").read_text())
+    save_file({**tensors(det), **tracker_tensors()}, out / "model.safetensors")
+    return out
