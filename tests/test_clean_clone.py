@@ -199,4 +199,5 @@ def test_a_clean_clone_runs_the_readme_commands_and_example():
     assert reasons.count(NESTED_SKIP) == 1                                  # this test, in the clone's run
     unexplained = sorted({r for r in reasons if shared not in r and r != NESTED_SKIP and not SKIP_REASONS.search(r)})
     assert not unexplained, unexplained
-    assert any("../shared" in r for r in reasons), reasons[:5]
+    # The specification texts are not in the clone: the tests that read them say where they looked.
+    assert any("../shared" in r or shared in r for r in reasons), reasons[:5]
