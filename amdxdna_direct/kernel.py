@@ -372,6 +372,11 @@ class Run:
         return False
 
     @property
+    def in_flight(self) -> bool:
+        """True from a ``start`` (alone or in a ``RunList``) until the ``wait`` that collects it."""
+        return self._in_flight or self._claimed_by is not None
+
+    @property
     def state(self) -> int:
         """The packet's current ERT state (``cmd.ERT_CMD_STATE_*``).
 

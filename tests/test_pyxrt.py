@@ -113,10 +113,14 @@ def test_edge_cases(npu1):
     small = xrt.bo(device, 16, xrt.bo.host_only, kernel.group_id(3))
     with pytest.raises(RuntimeError, match="68"):      # the stream's DMA reads 68 bytes through bo0
         kernel(3, bo_instr, n, small, b, c)
-    with pytest.raises(NotImplementedError, match=r"pyxrt\.device\(bdf\)"):
-        xrt.device("0000:c5:00.1")
-    with pytest.raises(NotImplementedError, match="get_info"):
-        device.get_info(xrt.xrt_info_device.bdf)
+    with pytest.raises(NotImplementedError, match=r"get_info\(kdma\)"):
+        device.get_info(xrt.xrt_info_device.kdma)
+    with pytest.raises(NotImplementedError, match=r"bo\(flags=0x1\)"):
+        xrt.bo(device, 64, 1, 0)
+    with pytest.raises(NotImplementedError, match=r"pyxrt\.elf"):
+        xrt.elf("design.elf")
+    with pytest.raises(NotImplementedError, match=r"pyxrt\.ext\.kernel"):
+        xrt.ext.kernel(ctx, "main:dpu")
     with pytest.warns(DeprecationWarning):
         device.load_xclbin(str(npu1[0]))
     assert xrt.xclbin(str(npu1[0])).get_uuid().to_string().count("-") == 4
@@ -151,3 +155,202 @@ def test_amdxdna_trace_decodes_the_scripts_ioctls(npu1):
     assert done.returncode == 0, done.stderr
     assert "PASS!" in done.stdout
     assert "EXEC_CMD" in done.stdout + done.stderr and "CREATE_HWCTX" in done.stdout + done.stderr
+
+
+# -- the real clients' call sequences, run as scripts under the module (in this process) ----------------------
+
+DESIGNS = {   # profile, xclbin, insts, the kernel's buffer sizes in bytes (decoded from the stream's BDs)
+    "npu1": ("emu:npu1", "mlir-aie-npu1_1col/aie.xclbin", "mlir-aie-npu1_1col/insts.bin", (68, 64, 64)),
+    "npu2": ("emu:npu4", "mlir-aie-npu2_1col/final.xclbin", "mlir-aie-npu2_1col/insts.bin", (512, 16384)),
+}
+
+
+@pytest.fixture
+def run_script(monkeypatch, capsys):
+    """Run a script of tests/pyxrt_scripts through ``python -m amdxdna_direct.pyxrt``'s main in this process;
+    returns its stdout lines. What the script imports (pyxrt, its sibling modules) is dropped afterwards."""
+    from amdxdna_direct.pyxrt.__main__ import main
+
+    def run(name: str, *args: object) -> list[str]:
+        before = set(sys.modules)
+        monkeypatch.setattr(sys, "argv", list(sys.argv))
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        try:
+            assert main([str(SCRIPT.parent / name), *map(str, args)]) == 0
+        finally:
+            for module in set(sys.modules) - before:
+                del sys.modules[module]
+        return capsys.readouterr().out.splitlines()
+    return run
+
+
+def design(monkeypatch, name):
+    profile, xclbin, insts, sizes = DESIGNS[name]
+    monkeypatch.setenv("AMDXDNA_DEVICE", profile)
+    monkeypatch.setenv("AMDXDNA_EMU_MODEL", "passthrough")
+    return fixture(xclbin), fixture(insts), sizes
+
+
+@pytest.mark.parametrize("name", DESIGNS)
+def test_mlir_aie_utils_setup_execute_and_trace(monkeypatch, tmp_path, run_script, name):
+    """aie.utils.xrt's way: a text instruction file, buffers registered at group ids 3 (4) 5, execute(), and
+    with a trace the output buffer as raw bytes followed by the trace region."""
+    xclbin, insts, sizes = design(monkeypatch, name)
+    text = tmp_path / "insts.txt"
+    text.write_text("".join(f"{w:08X}\n" for w in np.fromfile(insts, dtype=np.uint32)))
+    words_in, words_out = sizes[0] // 4, sizes[-1] // 4
+    two = "1" if len(sizes) == 3 else "0"
+    monkeypatch.chdir(tmp_path)     # the script imports its sibling module from its own directory, not the cwd
+    assert run_script("run_aie_utils.py", xclbin, text, words_in, words_out, two) == ["PASS!"]
+    trace = tmp_path / "trace.txt"
+    assert run_script("run_aie_utils.py", xclbin, text, words_in, words_out, two, trace) == ["PASS!"]
+    assert trace.read_text() == ""      # the passthrough writes no trace: no non-zero word to print
+
+
+@pytest.mark.parametrize("name", DESIGNS)
+def test_mlir_air_backend_invoker(monkeypatch, run_script, name):
+    """mlir-air's XRT backend: the kernel found by a substring of its name, bfloat16 stored as int16, new bos
+    at group_id(i + 3) on every call, ninstr the word count."""
+    xclbin, insts, sizes = design(monkeypatch, name)
+    assert run_script("run_air_backend.py", xclbin, insts, *sizes) == ["PASS!", "PASS!"]
+
+
+@pytest.mark.parametrize("name", DESIGNS)
+def test_iron_host_runtime(monkeypatch, run_script, name):
+    """IRON's host runtime: the NPU family from get_info(name), ninstr in bytes, a new instruction bo per run,
+    tensors as numpy views of map() bound through sub-buffer handles of one allocation."""
+    xclbin, insts, sizes = design(monkeypatch, name)
+    family = {"npu1": "RyzenAI-npu1 npu1", "npu2": "RyzenAI-npu4 npu2"}[name]
+    assert run_script("run_iron_runtime.py", xclbin, insts, *sizes) == [family, "PASS!"]
+
+
+def test_device_names_are_the_drivers_vbnv(monkeypatch):
+    """get_info(name) is the driver's vbnv per generation (docs/pyxrt.md): RyzenAI-npu1 ... RyzenAI-npu6."""
+    for gen in ("npu1", "npu4", "npu5", "npu6"):
+        monkeypatch.setenv("AMDXDNA_DEVICE", f"emu:{gen}")
+        dev = xrt.device(0)
+        assert dev.get_info(xrt.xrt_info_device.name) == f"RyzenAI-{gen}"
+        assert dev.get_info(xrt.xrt_info_device.bdf) == f"emu:{gen}"
+        dev.close()
+
+
+def test_device_by_pci_address(monkeypatch, tmp_path):
+    """device(bdf) opens the node whose sysfs device is that PCI function, with or without the domain."""
+    sysfs = tmp_path / "class" / "accel"
+    for node, bdf in (("accel0", "0000:c5:00.1"), ("accel1", "0000:66:00.1")):
+        target = tmp_path / "devices" / "pci0000:00" / bdf
+        target.mkdir(parents=True)
+        (target / "vbnv").write_text("RyzenAI-npu4\n")
+        (sysfs / node).mkdir(parents=True)
+        (sysfs / node / "device").symlink_to(target)
+    monkeypatch.setattr(xrt, "SYSFS_ACCEL", str(sysfs))
+    monkeypatch.setattr(xrt, "_amdxdna_nodes", lambda: ["/dev/accel/accel0", "/dev/accel/accel1"])
+    opened = []
+    monkeypatch.setattr(xrt, "open_device", lambda spec: opened.append(spec) or xrt.open_device_real("emu:npu4"))
+    monkeypatch.setattr(xrt, "open_device_real", __import__("amdxdna_direct").open_device, raising=False)
+    xrt.device("66:00.1").close()
+    xrt.device("0000:C5:00.1").close()
+    assert opened == ["/dev/accel/accel1", "/dev/accel/accel0"]
+    with pytest.raises(RuntimeError, match=r"no amdxdna device at PCI address 0000:01:00\.0 \(/dev/accel/accel0 "
+                                           r"at 0000:c5:00\.1, /dev/accel/accel1 at 0000:66:00\.1\)"):
+        xrt.device("01:00.0")
+    assert xrt._sysfs_vbnv("/dev/accel/accel1") == "RyzenAI-npu4"
+    assert xrt._node_bdf("/dev/accel/accel0") == "0000:c5:00.1"
+
+
+def test_repeated_calls_cost_what_the_runtimes_restart_costs(npu1):
+    """kernel(...) again with the same buffers and stream reuses the last call's packet; a new buffer, a new
+    stream or a call while the last is in flight prepares another (one CREATE_BO)."""
+    device, ctx, kernel, bo_instr, n, (a, b, c) = setup(npu1)
+    stats = device._dev.stats
+
+    def ioctls(fn):
+        before = Counter(stats)
+        fn()
+        return {k: stats[k] - before[k] for k in stats if stats[k] != before[k] and not k.startswith("bytes")}
+
+    kernel(3, bo_instr, n, a, b, c).wait()
+    runtime = kernel._kernel.prepare_npu(bytes(bo_instr.read(n * 4, 0)), [a._bo, b._bo, c._bo])
+    runtime.start().wait()
+    assert ioctls(lambda: kernel(3, bo_instr, n, a, b, c).wait()) == ioctls(lambda: runtime.start().wait()) == {
+        "EXEC_CMD": 1, "SYNCOBJ_TIMELINE_WAIT": 1}
+    assert ioctls(lambda: kernel(3, bo_instr, n * 4, a, b, c).wait()) == {"EXEC_CMD": 1, "SYNCOBJ_TIMELINE_WAIT": 1}
+    other = xrt.bo(device, 64, xrt.bo.host_only, kernel.group_id(5))
+    assert ioctls(lambda: kernel(3, bo_instr, n, a, b, other).wait())["CREATE_BO"] == 1
+    first = kernel(3, bo_instr, n, a, b, other)
+    assert ioctls(lambda: kernel(3, bo_instr, n, a, b, other).wait())["CREATE_BO"] == 1
+    assert first.wait() == xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+
+
+def test_instruction_length_comes_from_the_stream_header(npu1):
+    """ninstr as words (mlir-aie) or bytes (IRON) runs the same stream; a bo that holds no TXN header is refused
+    before any EXEC_CMD, naming its size, ninstr and the header's size."""
+    device, ctx, kernel, bo_instr, n, (a, b, c) = setup(npu1)
+    a.write(np.arange(17, dtype=np.int32), 0)
+    a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+    for ninstr in (n, n * 4, 0):
+        c.write(np.zeros(16, dtype=np.int32), 0)
+        c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+        assert kernel(3, bo_instr, ninstr, a, b, c).wait() == xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+        c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
+        np.testing.assert_array_equal(c.read(64, 0).view(np.int32), np.arange(16))
+    padded = xrt.bo(device, n * 4 + 4096, xrt.bo.cacheable, kernel.group_id(1))     # a larger bo: the header rules
+    padded.write(bo_instr.read(n * 4, 0), 0)
+    padded.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+    assert kernel(3, padded, n, a, b, c).wait() == xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+    junk = xrt.bo(device, 64, xrt.bo.cacheable, kernel.group_id(1))
+    junk.write(np.full(16, 0xFFFF, dtype=np.uint32), 0)
+    before = device._dev.stats["EXEC_CMD"]
+    with pytest.raises(RuntimeError, match=r"instruction bo \(64 bytes, ninstr=16\) holds no TXN stream: its "
+                                           r"header's size_bytes \(word 3\) is 65535"):
+        kernel(3, junk, 16, a, b, c)
+    assert device._dev.stats["EXEC_CMD"] == before
+
+
+def test_sub_buffers_and_map(npu1):
+    """bo(parent, size, offset) shares the parent's memory; map() is writable and numpy views of it see what
+    the device wrote; a sub-buffer outside its parent is refused."""
+    device, ctx, kernel, bo_instr, n, _ = setup(npu1)
+    whole = xrt.bo(device, 68 + 64 + 64, xrt.bo.host_only, 0)
+    host = np.frombuffer(whole.map(), dtype=np.uint8)
+    a, b, c = xrt.bo(whole, 68, 0), xrt.bo(whole, 64, 68), xrt.bo(whole, 64, 132)
+    assert (a.size(), c.size(), c.address() - whole.address()) == (68, 64, 132)
+    host[:68].view(np.int32)[:] = np.arange(17) * 5
+    a.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE)
+    assert kernel(3, bo_instr, n, a, b, c).wait() == xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+    c.sync(xrt.xclBOSyncDirection.XCL_BO_SYNC_BO_FROM_DEVICE)
+    np.testing.assert_array_equal(host[132:].view(np.int32), np.arange(16) * 5)
+    np.testing.assert_array_equal(c.read(64, 0).view(np.int32), np.arange(16) * 5)
+    with pytest.raises(ValueError, match="outside a 196-byte buffer"):
+        xrt.bo(whole, 128, 100)
+    with pytest.raises(ValueError, match="size must be positive"):
+        xrt.bo(device, 0, xrt.bo.host_only, 0)
+
+
+def test_wait2_raises_for_a_run_that_did_not_complete(npu1):
+    device, ctx, kernel, bo_instr, n, (a, b, c) = setup(npu1)
+    kernel(3, bo_instr, n, a, b, c).wait2()
+    device._dev.emulator.faults.hang(bytes(bo_instr.read(n * 4, 0)))
+    h = kernel(3, bo_instr, n, a, b, c)
+    with pytest.raises(RuntimeError, match="MLIR_AIE ended in ERT_CMD_STATE_TIMEOUT"):
+        h.wait2(50)
+
+
+def test_runlist_of_one_run_added_twice_gives_each_entry_a_packet(npu1):
+    device, ctx, kernel, bo_instr, n, (a, b, c) = setup(npu1)
+    r = xrt.run(kernel)
+    for i, v in enumerate((3, bo_instr, n, a, b, c)):
+        r.set_arg(i, v)
+    rl = xrt.runlist(ctx)
+    rl.add(r)
+    rl.add(r)
+    rl.execute()
+    rl.wait()
+    assert r.state() == xrt.ert_cmd_state.ERT_CMD_STATE_COMPLETED
+
+
+def test_a_missing_script_is_one_line(capsys):
+    from amdxdna_direct.pyxrt.__main__ import main
+
+    assert main(["/nonexistent/run.py"]) == 2
+    assert capsys.readouterr().err == "python -m amdxdna_direct.pyxrt: /nonexistent/run.py: no such script\n"
