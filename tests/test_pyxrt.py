@@ -245,9 +245,8 @@ def test_device_by_pci_address(monkeypatch, tmp_path):
         (sysfs / node / "device").symlink_to(target)
     monkeypatch.setattr(xrt, "SYSFS_ACCEL", str(sysfs))
     monkeypatch.setattr(xrt, "_amdxdna_nodes", lambda: ["/dev/accel/accel0", "/dev/accel/accel1"])
-    opened = []
-    monkeypatch.setattr(xrt, "open_device", lambda spec: opened.append(spec) or xrt.open_device_real("emu:npu4"))
-    monkeypatch.setattr(xrt, "open_device_real", __import__("amdxdna_direct").open_device, raising=False)
+    opened, real_open = [], xrt.open_device
+    monkeypatch.setattr(xrt, "open_device", lambda spec: opened.append(spec) or real_open("emu:npu4"))
     xrt.device("66:00.1").close()
     xrt.device("0000:C5:00.1").close()
     assert opened == ["/dev/accel/accel1", "/dev/accel/accel0"]
@@ -354,3 +353,21 @@ def test_a_missing_script_is_one_line(capsys):
 
     assert main(["/nonexistent/run.py"]) == 2
     assert capsys.readouterr().err == "python -m amdxdna_direct.pyxrt: /nonexistent/run.py: no such script\n"
+
+
+def test_contexts_from_a_uuid_an_xclbin_or_a_path_and_the_flag_spellings(npu1):
+    device = xrt.device(0)
+    xb = xrt.xclbin(str(npu1[0]))
+    with pytest.raises(RuntimeError, match=rf"xclbin {xb.get_uuid().to_string()} is not registered"):
+        xrt.hw_context(device, xb.get_uuid())
+    assert xb.get_xsa_name() == ""     # mlir-aie leaves the header's m_platformVBNV zero (decoded by hand)
+    assert xrt.xclbin(str(fixture("amd-npu4/preemption_4x4.xclbin"))).get_xsa_name() == "xilinx_v1_ipu_0_0"
+    for how in (xb, str(npu1[0])):
+        ctx = xrt.hw_context(device, how)
+        kernel = xrt.kernel(ctx, "MLIR_AIE")
+        assert kernel.group_id(3) == 3
+    assert (xrt.bo.flags.cacheable, xrt.bo.flags.host_only) == (xrt.bo.cacheable, xrt.bo.host_only) == (
+        1 << 24, 1 << 29)
+    buf = xrt.bo(device, np.int64(64), xrt.bo.flags.host_only, kernel.group_id(3))
+    assert buf.size() == 64
+    assert xrt.enumerate_devices() == 1        # $AMDXDNA_DEVICE names one

@@ -151,7 +151,8 @@ class xclbin:  # noqa: N801
         return uuid(self._x.uuid)
 
     def get_xsa_name(self) -> str:
-        return str(getattr(self._x, "xsa_name", "") or "")
+        """The platform the xclbin was built for: its axlf header's ``m_platformVBNV`` (empty when it names none)."""
+        return str(self._x.header.platform_vbnv)
 
 
 def _amdxdna_nodes() -> list[str]:
