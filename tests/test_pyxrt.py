@@ -371,3 +371,21 @@ def test_contexts_from_a_uuid_an_xclbin_or_a_path_and_the_flag_spellings(npu1):
     buf = xrt.bo(device, np.int64(64), xrt.bo.flags.host_only, kernel.group_id(3))
     assert buf.size() == 64
     assert xrt.enumerate_devices() == 1        # $AMDXDNA_DEVICE names one
+
+
+def test_failures_are_runtime_errors_with_the_runtimes_message(npu1, tmp_path, monkeypatch):
+    """What XRT reports by exception arrives as a RuntimeError (PyxrtError) carrying the runtime's message, the
+    runtime's own error chained."""
+    from amdxdna_direct.errors import NoDeviceError
+
+    with pytest.raises(RuntimeError, match=r"pyxrt\.xclbin: .*missing\.xclbin") as caught:
+        xrt.xclbin(str(tmp_path / "missing.xclbin"))
+    assert isinstance(caught.value.__cause__, OSError)
+    junk = tmp_path / "junk.xclbin"
+    junk.write_bytes(b"not an xclbin at all" * 10)
+    with pytest.raises(RuntimeError, match=r"pyxrt\.xclbin: axlf header: .* outside the 200 bytes"):
+        xrt.xclbin(str(junk))
+    monkeypatch.setenv("AMDXDNA_DEVICE", str(tmp_path / "accel9"))
+    with pytest.raises(RuntimeError, match=r"pyxrt\.device: .*accel9") as caught:
+        xrt.device(0)
+    assert isinstance(caught.value.__cause__, NoDeviceError)

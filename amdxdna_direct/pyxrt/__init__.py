@@ -7,10 +7,12 @@ naming the call. ``import amdxdna_direct.pyxrt as xrt``, or run a script unchang
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import glob
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -79,6 +81,16 @@ class xrt_info_device(enum.Enum):  # noqa: N801
     vmr = "vmr"
 
 
+@contextlib.contextmanager
+def _xrt_errors(call: str) -> Iterator[None]:
+    """Raise the runtime's OSError (an ioctl, the device node, a file) as XRT's exception type, a RuntimeError,
+    with the runtime's message; the OSError is chained (docs/pyxrt.md, Errors)."""
+    try:
+        yield
+    except OSError as exc:
+        raise PyxrtError(f"pyxrt.{call}: {exc}") from exc
+
+
 def _unsupported(call: str) -> NotImplementedError:
     return NotImplementedError(f"pyxrt.{call} is not supported by amdxdna_direct.pyxrt (docs/pyxrt.md)")
 
@@ -138,11 +150,15 @@ class xclbin:  # noqa: N801
     """``xrt.xclbin(path)``: a parsed xclbin.
 
     Raises:
-        XclbinError (a ValueError): the file is not a usable xclbin.
+        PyxrtError: the file cannot be read or is not a usable xclbin (the parser's message, chained).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._x = xclbin_mod.parse(path)
+        with _xrt_errors("xclbin"):
+            try:
+                self._x = xclbin_mod.parse(path)
+            except ValueError as exc:
+                raise PyxrtError(f"pyxrt.xclbin: {exc}") from exc
 
     def get_kernels(self) -> list[_xclbin_kernel]:
         return [_xclbin_kernel(k) for k in self._x.kernels]
@@ -204,7 +220,7 @@ class device:  # noqa: N801
     ``emu:`` spec string is opened as given.
 
     Raises:
-        NoDeviceError, PermissionDeniedError (OSError): from ``open_device``.
+        PyxrtError: ``open_device`` failed (NoDeviceError, PermissionDeniedError chained).
         PyxrtError: no device at that index or PCI address.
     """
 
@@ -218,7 +234,8 @@ class device:  # noqa: N801
             if not 0 <= index < len(nodes):
                 raise PyxrtError(f"pyxrt.device({index}): no such device ({len(nodes)} accel nodes)")
             spec = nodes[index]
-        self._dev: Device = open_device(spec)
+        with _xrt_errors("device"):
+            self._dev: Device = open_device(spec)
         self._xclbins: dict[uuid, Any] = {}
 
     def register_xclbin(self, xb: xclbin) -> uuid:
@@ -274,7 +291,7 @@ class hw_context:  # noqa: N801
 
     Raises:
         PyxrtError: a uuid that was never registered on this device.
-        ContextUnavailableError, XdnaError: from the runtime's ``HwContext``.
+        PyxrtError: CREATE_HWCTX or its set-up failed (ContextUnavailableError, XdnaError chained).
     """
 
     def __init__(self, dev: device, xb: uuid | xclbin | str | os.PathLike[str], mode: Any = None) -> None:
@@ -285,9 +302,10 @@ class hw_context:  # noqa: N801
         elif isinstance(xb, xclbin):
             parsed = xb._x
         else:
-            parsed = xclbin_mod.parse(xb)
+            parsed = xclbin(xb)._x
         self.device = dev
-        self._ctx = dev._dev.hw_context(parsed)
+        with _xrt_errors("hw_context"):
+            self._ctx = dev._dev.hw_context(parsed)
 
 
 class bo:  # noqa: N801
@@ -297,7 +315,7 @@ class bo:  # noqa: N801
     Raises:
         NotImplementedError: flags other than the four constants.
         ValueError: a size that is not positive; a sub-buffer outside its parent or not 4-byte aligned.
-        XdnaError (OSError): the allocation failed.
+        PyxrtError: the allocation failed (XdnaError chained).
     """
 
     normal = 0
@@ -326,7 +344,8 @@ class bo:  # noqa: N801
             raise ValueError(f"pyxrt.bo: size must be positive, got {int(size)}")
         self.device = dev
         self.flags_value = int(flags)
-        self._bo = dev._dev.bo(int(size))
+        with _xrt_errors("bo"):
+            self._bo = dev._dev.bo(int(size))
 
     def write(self, data: Any, offset: int = 0) -> None:
         self._bo.write(np.ascontiguousarray(data).view(np.uint8).reshape(-1), offset)
@@ -340,7 +359,8 @@ class bo:  # noqa: N801
 
     def sync(self, direction: xclBOSyncDirection | int, size: int | None = None, offset: int = 0) -> None:
         to_dev = int(direction) in (0, 2)
-        self._bo.sync(offset, size or None, TO_DEVICE if to_dev else FROM_DEVICE)
+        with _xrt_errors("bo.sync"):
+            self._bo.sync(offset, size or None, TO_DEVICE if to_dev else FROM_DEVICE)
 
     def size(self) -> int:
         return int(self._bo.size)
