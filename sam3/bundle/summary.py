@@ -70,7 +70,7 @@ class _Summary:
             named: list[MhaSpec | OpSpec] = [*self.b.mhas.values(), *self.b.ops.values()]
             users += [k.key for k in named if (k.xclbin, k.name) == (x.path, x.kernel)]
             out.append({"key": x.key, "path": self._rel(x.path), "kernel": x.kernel, "line": x.line,
-                        "kernels": sorted(users)})
+                        "kernels": sorted(set(users))})
             self._file(x.path, f"xclbin {x.key}")
             if not users:
                 self.problems.append(f"xclbin {x.key} ({self._rel(x.path)}) is used by no kernel")
