@@ -19,7 +19,7 @@ from amdxdna_direct.cli import guarded, one_line
 from amdxdna_direct.errors import Error
 from sam3 import build as build_mod
 from sam3 import demo as demo_mod
-from sam3.bundle import Bundle, BundleError, format_summary, summarize
+from sam3.bundle import Bundle, BundleError, format_summary, split_fields, summarize
 from sam3.npu import DEFAULT_TIMEOUT, NpuError
 
 SCHEMA = 1
@@ -114,6 +114,11 @@ def _segment(args: argparse.Namespace) -> int:
 
     if args.reps < 1:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    # The tokenizer frames an empty prompt as the reference does; on the command line it is a mistake
+    # (docs/sam3-host.md 4.3). split_fields splits on the White_Space the tokenizer drops.
+    blank = next((p for p in args.prompt if not split_fields(p)), None)
+    if blank is not None:
+        raise ValueError(f"prompt {blank!r} is empty: nothing to segment")
     start = time.perf_counter()
     device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
     try:

@@ -155,7 +155,8 @@ class Sam3:
         """Tokenises and encodes `prompt` on the host.
 
         Raises:
-            TokenizerError: an empty prompt. (A prompt longer than text_len is truncated with a warning.)
+            TypeError: a prompt that is not a str. (An empty prompt is framed as [bos, eos]; one longer than
+                text_len is truncated with a warning: docs/sam3-host.md 4.3.)
         """
         ids, m = self.tokenizer.encode(prompt)
         return Prompt(prompt, ids, m, text.encode_text(ids, m, self.bundle.tensors, self.params))
@@ -233,7 +234,8 @@ class Sam3:
         side's outputs.
 
         Raises:
-            ImageError: a bad image. TokenizerError: an empty prompt. PostError: a threshold outside [0, 1].
+            ImageError: a bad image. PostError: a threshold outside [0, 1]. (An empty prompt is encoded, as by
+                `encode_prompt`.)
             NpuError: a kernel failed.
         """
         for name, value in (("threshold", threshold), ("mask threshold", mask_threshold)):

@@ -115,8 +115,17 @@ def _embed(ids: np.ndarray, weights: Weights, p: TextParams) -> np.ndarray:
     bad = (ids < 0) | (ids >= table.shape[0])
     if bad.any():
         raise TextError(f"token id {int(ids[bad][0])} outside the vocabulary of {table.shape[0]} tokens")
-    pos = weight(weights, "t.pos_emb", (p.text_len, p.text_dim))
-    return f32(table[ids]) + f32(pos[:ids.shape[0]])
+    return f32(table[ids]) + f32(_positions(weights, ids.shape[0], p.text_dim))
+
+
+def _positions(weights: Weights, n: int, dim: int) -> np.ndarray:
+    """The first n rows of t.pos_emb: the table may be longer than text_len, as CLIP's 77 rows are, and only
+    the rows the prompt's tokens reach are read (docs/sam3-host.md 5.1)."""
+    flat = _tensor(weights, "t.pos_emb").reshape(-1)
+    if flat.size < n * dim:
+        raise TextError(f"text encoder: tensor t.pos_emb has {flat.size} values, fewer than the prompt's {n} "
+                        f"tokens x text_dim {dim} = {n * dim}")
+    return flat[:n * dim].reshape(n, dim)
 
 
 def _block(x: np.ndarray, weights: Weights, key: str, p: TextParams) -> np.ndarray:

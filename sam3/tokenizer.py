@@ -3,8 +3,9 @@
 The normaliser, pre-tokeniser and BPE run in the ``tokenizers`` library, built here from the two files with
 the CLIP rules spelled out (NFC, whitespace runs collapsed, lowercase; contractions, letter runs, single
 digits, other-symbol runs; GPT-2's byte-to-unicode map; ``</w>`` on each word's last symbol). This module
-adds the model's framing: [bos] + tokens + [eos], padded with ``pad`` to ``length``, and the mask. The
-bos and eos tokens' own text inside a prompt (``<|endoftext|>``) encodes as those ids.
+adds the model's framing: [bos] + tokens + [eos], padded with ``pad`` to ``length``, and the mask; an empty
+prompt is [bos, eos] and padding (docs/sam3-host.md 4.3). The bos and eos tokens' own text inside a prompt
+(``<|endoftext|>``) encodes as those ids when the vocabulary has them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 # character, a run of other non-space characters. Whitespace between pieces is dropped.
 PIECE_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"
 END_OF_WORD = "</w>"
+# The BPE's unknown token: no vocabulary symbol, since byte-level symbols never hold NUL. Its id is mapped to
+# eos after encoding, so eos need not be a vocabulary id (docs/sam3-host.md 4.2).
+_UNKNOWN = "\0unknown"
+# Token ids are int32 arrays, as a bundle's tok.<i>.ids tensors are (docs/sam3-host.md 4.3).
+_ID_MAX = (1 << 31) - 1
 
 
 class TokenizerError(Error, ValueError):
@@ -80,28 +86,34 @@ class ClipTokenizer:
         vocab: token string -> id (``vocab.json``).
         merges: the merge pairs in rank order (``merges.txt``).
         length: the model's token count L (``text_len``), at least 2.
-        bos, eos, pad: the special ids; eos must name a token of ``vocab`` (it also stands for unknown tokens).
+        bos, eos, pad: the special ids, any in 0..2^31-1, vocabulary ids or not (eos also stands for a symbol
+            the vocabulary lacks).
 
     Raises:
-        TokenizerError: ``length`` < 2, a special id outside the vocabulary, or merges the vocabulary cannot
-            satisfy (a pair or its result missing from it).
+        TokenizerError: ``length`` < 2, a special id outside 0..2^31-1, or merges the vocabulary cannot satisfy
+            (a pair or its result missing from it).
     """
 
     def __init__(self, vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], *, length: int, bos: int,
                  eos: int, pad: int) -> None:
         if length < 2:
             raise TokenizerError(f"text length {length}: expected at least 2 (bos and eos)")
-        by_id = {i: tok for tok, i in vocab.items()}
         for name, value in (("bos", bos), ("eos", eos), ("pad", pad)):
-            if value not in by_id:
-                raise TokenizerError(f"{name} id {value} is not in the vocabulary ({len(vocab)} tokens)")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _ID_MAX:
+                raise TokenizerError(f"{name} id {value!r} is not a token id (an integer in 0..{_ID_MAX})")
         self.length = length
         self.bos, self.eos, self.pad = bos, eos, pad
+        by_id = {i: tok for tok, i in vocab.items()}
+        unknown = _UNKNOWN
+        while unknown in vocab:  # only a hand-made vocabulary could hold it
+            unknown += "?"
+        self._unknown = max(by_id, default=-1) + 1
         # A merge that is not a pair is refused by the BPE constructor, which _build reports as a TokenizerError.
         pairs = cast(list[tuple[str, str]], [tuple(m) for m in merges])
-        self._tok = _build(dict(vocab), pairs, unknown=by_id[eos])
-        # The special tokens' own text in a prompt stands for them, as in the reference tokenizer.
-        self._tok.add_special_tokens([AddedToken(by_id[i], normalized=False, special=True) for i in (bos, eos)])
+        self._tok = _build({**vocab, unknown: self._unknown}, pairs, unknown=unknown)
+        # The special tokens' own text in a prompt stands for them, as in the model's tokenizer.
+        specials = [AddedToken(by_id[i], normalized=False, special=True) for i in (bos, eos) if i in by_id]
+        self._tok.add_special_tokens(specials)
 
     @classmethod
     def from_files(cls, vocab_path: str | Path, merges_path: str | Path, *, length: int, bos: int, eos: int,
@@ -131,20 +143,22 @@ class ClipTokenizer:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        return self._tok.encode(prompt, add_special_tokens=False).ids
+        ids = np.array(self._tok.encode(prompt, add_special_tokens=False).ids, dtype=np.int64)
+        ids[ids == self._unknown] = self.eos
+        out: list[int] = ids.tolist()
+        return out
 
     def encode(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
         """[bos] + tokens + [eos], padded with ``pad`` to ``length``; mask 1 over bos..eos, 0 after.
 
-        A prompt of more than ``length - 2`` tokens keeps its first ``length - 2`` and logs a warning.
+        An empty or all-whitespace prompt has no tokens: [bos, eos, pad, ...], mask [1, 1, 0, ...], as the
+        reference frames it (docs/sam3-host.md 4.3). A prompt of more than ``length - 2`` tokens keeps its first
+        ``length - 2`` and logs a warning.
 
         Raises:
             TypeError: ``prompt`` is not a str.
-            TokenizerError: the prompt is empty or only whitespace.
         """
         ids = self.tokens(prompt)
-        if not ids:
-            raise TokenizerError(f"prompt {prompt!r} is empty: nothing to segment")
         room = self.length - 2
         if len(ids) > room:
             log.warning("prompt %r has %d tokens; truncated to the first %d (text_len %d holds bos + %d + eos)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import builtins
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
@@ -345,6 +345,48 @@ GEMM_KEYS = (
 )
 MHA_KEYS = ("mha_win", "mha_glob", "mha_d")
 OP_KEYS = ("rope", "addln")
+KERNEL_TAGS = ("gemm", "mha", "op")
+_RUNTIME_KIND = {**dict.fromkeys(GEMM_KEYS, "gemm"), **dict.fromkeys(MHA_KEYS, "mha"), **dict.fromkeys(OP_KEYS, "op")}
+
+
+def kernel_kind(key: str, *tables: Mapping[str, object]) -> str | None:
+    """Which record kind kernel `key` is run as, given the gemm, mha and op tables in that order, or None.
+
+    A key defined by two kinds is the kind the runtime launches it as (docs/sam3-bundle.md 4.1): `conv` a gemm,
+    `mha_d` an mha, `rope` an op; any other key the first of gemm, mha, op that defines it.
+    """
+    return _run_as(key, [tag for tag, table in zip(KERNEL_TAGS, tables, strict=True) if key in table])
+
+
+def _run_as(key: str, kinds: list[str]) -> str | None:
+    preferred = _RUNTIME_KIND.get(key)
+    return preferred if preferred in kinds else next(iter(kinds), None)
+
+
+def kernel_warnings(records: Iterable[Record]) -> list[str]:
+    """The kernel records a run overrides (docs/sam3-bundle.md 4.1), one warning each: a gemm, mha or op key
+    defined again by the same kind (the later record wins), and a key defined by two kinds."""
+    out: list[str] = []
+    last: dict[tuple[str, str], Record] = {}
+    kinds: dict[str, dict[str, Record]] = {}
+    for r in records:
+        if r.tag not in KERNEL_TAGS or not r.fields:
+            continue
+        key = r.fields[0]
+        earlier = last.get((r.tag, key))
+        if earlier is not None:
+            out.append(f"{MANIFEST}:{r.line}: {r.tag} {key} defined twice (first at line {earlier.line}): "
+                       "the later record wins")
+        last[(r.tag, key)] = r
+        kinds.setdefault(key, {})[r.tag] = r
+    for key, by_tag in kinds.items():
+        if len(by_tag) > 1:
+            tags = [t for t in KERNEL_TAGS if t in by_tag]
+            run = _run_as(key, tags)
+            where = ", ".join(f"{t} at line {by_tag[t].line}" for t in tags)
+            out.append(f"{MANIFEST}: kernel key {key} is defined by {len(by_tag)} kinds ({where}): "
+                       f"it runs as the {run}")
+    return out
 
 # -------------------------------------------------------------------------------------------------------
 # Params

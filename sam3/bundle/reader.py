@@ -35,6 +35,7 @@ from .manifest import (
     _lines,
     _rel_parts,
     _utf8,
+    kernel_kind,
     unescape,
 )
 from .tensors import TensorStore, parse_index, upload_tensors
@@ -254,17 +255,17 @@ class Bundle:
         self.gemms, self.mhas, self.ops = {}, {}, {}
         self.tok_tests, self.cases, self.pcases = [], [], []
         self.ref_image, self.ref_prompt = None, None
-        owners: dict[str, tuple[str, int]] = {}
+        # A kernel key defined again replaces the earlier record; kinds keep separate tables (docs/sam3-bundle.md 4.1).
         for r in records:
             if r.tag == "gemm":
                 g = self._gemm(r)
-                self.gemms[_claim(owners, r, g.key)] = g
+                self.gemms[g.key] = g
             elif r.tag == "mha":
                 h = self._mha(r)
-                self.mhas[_claim(owners, r, h.key)] = h
+                self.mhas[h.key] = h
             elif r.tag == "op":
                 o = self._op(r)
-                self.ops[_claim(owners, r, o.key)] = o
+                self.ops[o.key] = o
             elif r.tag == "ref_image":
                 self.ref_image = self._path(r, r.rest(0), "ref_image")
             elif r.tag == "ref_prompt":
@@ -318,8 +319,8 @@ class Bundle:
     # --- kernels -----------------------------------------------------------------------------------
 
     def kernel_keys(self) -> list[str]:
-        """Every gemm, mha and op key, sorted by name (the load order, docs/sam3-bundle.md 9)."""
-        return sorted([*self.gemms, *self.mhas, *self.ops])
+        """Every gemm, mha and op key, once each, sorted by name (the load order, docs/sam3-bundle.md 9)."""
+        return sorted({*self.gemms, *self.mhas, *self.ops})
 
     def xclbin(self, key: str) -> XclbinRecord:
         """The xclbin record `key`.
@@ -354,17 +355,20 @@ class Bundle:
     def kernel(self, key: str) -> KernelSource:
         """What loading kernel `key` needs; GEMMs share the context of their `ctx` xclbin (docs/sam3-bundle.md 9).
 
+        A key two kinds define is the kind the runtime launches it as (`manifest.kernel_kind`).
+
         Raises:
             BundleError: "no kernel K".
         """
-        if key in self.gemms:
+        kind = kernel_kind(key, self.gemms, self.mhas, self.ops)
+        if kind == "gemm":
             g = self.gemms[key]
             x = self.xclbins[g.ctx]
             return KernelSource(key, g.ctx, x.path, g.insts, x.kernel, 2 * g.m * g.k * g.n)
-        if key in self.mhas:
+        if kind == "mha":
             h = self.mhas[key]
             return KernelSource(key, key, h.xclbin, h.insts, h.name, 4 * h.heads * h.seq * h.seq * h.d)
-        if key in self.ops:
+        if kind == "op":
             o = self.ops[key]
             return KernelSource(key, key, o.xclbin, o.insts, o.name, 0)
         raise BundleError(f"no kernel {key}")
@@ -423,16 +427,6 @@ class Bundle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _claim(owners: dict[str, tuple[str, int]], r: Record, key: str) -> str:
-    """Record `r` as the owner of kernel `key`, which one key names across gemm, mha and op; returns `key`."""
-    if key in owners:
-        tag, line = owners[key]
-        raise r.error(f"{r.tag} {key} defined twice" if tag == r.tag else
-                      f"{r.tag} {key}: the key is already the {tag} of {MANIFEST}:{line}")
-    owners[key] = (r.tag, r.line)
-    return key
 
 
 def parse_vocab(data: bytes) -> dict[str, int]:

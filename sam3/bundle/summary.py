@@ -1,5 +1,5 @@
-"""`summarize` and `format_summary`: an open bundle described, with the problems a run would trip on
-(docs/sam3-bundle.md 11)."""
+"""`summarize` and `format_summary`: an open bundle described, with the problems a run would trip on and the
+warnings about what the reader accepted as the reference does (docs/sam3-bundle.md 11)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .manifest import BLOB, FLAG_PARAMS, GEMM_KEYS, MHA_KEYS, OP_KEYS, WRITE_ALIGN, GemmSpec, MhaSpec, OpSpec
+from .manifest import (
+    BLOB,
+    FLAG_PARAMS,
+    GEMM_KEYS,
+    MHA_KEYS,
+    OP_KEYS,
+    WRITE_ALIGN,
+    GemmSpec,
+    MhaSpec,
+    OpSpec,
+    kernel_warnings,
+)
 from .reader import Bundle
 from .tensors import packed_tensors
 
 
 def summarize(bundle: Bundle) -> dict[str, Any]:
-    """A JSON-ready description of `bundle`: version, params, xclbins, kernels, tensors and problems found.
+    """A JSON-ready description of `bundle`: version, params, xclbins, kernels, tensors, problems and warnings.
 
-    Problems are what the load-time checks let through but a run would trip on (docs/sam3-bundle.md 11).
+    Problems are what the load-time checks let through but a run would trip on; warnings are what the reader
+    accepted because the reference does, though a bundle should not hold it (docs/sam3-bundle.md 11).
     """
     return _Summary(bundle).build()
 
@@ -40,6 +52,7 @@ class _Summary:
             "ops": [self._op(o) for o in b.ops.values()],
             "tensors": self._tensors(),
             "problems": self._problems(),
+            "warnings": self._warnings(),
         }
 
     def _rel(self, path: Path) -> str:
@@ -57,7 +70,7 @@ class _Summary:
             named: list[MhaSpec | OpSpec] = [*self.b.mhas.values(), *self.b.ops.values()]
             users += [k.key for k in named if (k.xclbin, k.name) == (x.path, x.kernel)]
             out.append({"key": x.key, "path": self._rel(x.path), "kernel": x.kernel, "line": x.line,
-                        "kernels": sorted(users)})
+                        "kernels": sorted(set(users))})
             self._file(x.path, f"xclbin {x.key}")
             if not users:
                 self.problems.append(f"xclbin {x.key} ({self._rel(x.path)}) is used by no kernel")
@@ -125,6 +138,10 @@ class _Summary:
             self._file(b.ref_image, "ref_image")
         return self.problems
 
+    def _warnings(self) -> list[str]:
+        shapes = [t.shape_warning() for t in self.b.tensors]
+        return kernel_warnings(self.b.records) + [w for w in shapes if w is not None]
+
     def _overlaps(self) -> None:
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.b.tensors if t.nbytes)
         for (_, end, name), (start, _, nxt) in zip(spans, spans[1:], strict=False):
@@ -153,6 +170,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows += [["tensors", dt, f"{v['count']} tensors", f"{v['bytes']} bytes"] for dt, v in t["by_dtype"].items()]
     rows.append(["tensors", "all", f"{t['count']} tensors", f"{t['bytes']} bytes"])
     rows += [["problem", p] for p in summary["problems"]] or [["problems", "none"]]
+    # Warnings come after the problems, which alone make `sam3 bundle` exit 1 (docs/sam3-bundle.md 11).
+    rows += [["warning", w] for w in summary.get("warnings", [])]
     # Columns are aligned within each run of rows of one kind (params, gemms, tensors, ...).
     kind = max(len(r[0]) for r in rows)
     runs: list[list[list[str]]] = []

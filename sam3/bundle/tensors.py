@@ -35,16 +35,31 @@ class TensorInfo:
 
     @property
     def count(self) -> int:
-        """The number of elements."""
+        """The number of elements the bytes hold."""
         return self.nbytes // DTYPES[self.dtype].itemsize
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the recorded shape holds exactly `count` elements; if not, views are flat (docs/sam3-bundle.md 6)."""
+        return math.prod(self.shape) == self.count
+
+    def shape_warning(self) -> str | None:
+        """The summary's warning for a recorded shape that is not the byte count's, or None."""
+        if self.shaped:
+            return None
+        return (f"{INDEX}:{self.line}: tensor {self.name}: shape {','.join(map(str, self.shape))} of {self.dtype} is "
+                f"{math.prod(self.shape)} elements, but {self.nbytes} bytes hold {self.count}: read as {self.count} "
+                "flat elements")
 
 
 def parse_index(text: str, blob_size: int) -> dict[str, TensorInfo]:
     """The tensors of a `tensors.txt` text for a blob of `blob_size` bytes (docs/sam3-bundle.md 6).
 
+    A shape whose element count is not the byte count's is kept as written (`TensorInfo.shaped`).
+
     Raises:
-        BundleError: `tensors.txt:<line>: <msg>, in: <line>` for a malformed line, a duplicate, a shape whose
-            element count is not the byte count's, or a tensor past the end of tensors.bin.
+        BundleError: `tensors.txt:<line>: <msg>, in: <line>` for a malformed line, a duplicate, or a tensor past
+            the end of tensors.bin.
     """
     out: dict[str, TensorInfo] = {}
     for number, line in enumerate(_lines(text), 1):
@@ -84,11 +99,9 @@ def _index_line(number: int, line: str) -> TensorInfo:
     size = DTYPES[dtype].itemsize
     if nbytes % size:
         raise _index_error(number, line, "byte count is not a whole number of elements")
-    shape = tuple(d for d in dims if d is not None)
-    if math.prod(shape) != nbytes // size:
-        raise _index_error(number, line, f"tensor {name}: shape {shape_text} of {dtype} is {math.prod(shape)} "
-                           f"elements, but {nbytes} bytes hold {nbytes // size}")
-    return TensorInfo(name, dtype, shape, offset, nbytes, number)
+    # A shape that is not the byte count's (a logical [K, N] on packed u8 bytes) is kept: the reference never
+    # compares the two (docs/sam3-bundle.md 6).
+    return TensorInfo(name, dtype, tuple(d for d in dims if d is not None), offset, nbytes, number)
 
 
 class TensorStore:
@@ -138,7 +151,8 @@ class TensorStore:
         return info
 
     def get(self, name: str, dtype: str | None = None) -> np.ndarray:
-        """A read-only view of `name` with its dtype and shape, into the mapping (no copy).
+        """A read-only view of `name` with its dtype and shape, into the mapping (no copy); flat, of every element
+        the bytes hold, when the recorded shape does not match them (docs/sam3-bundle.md 6).
 
         Raises:
             BundleError: missing, or "tensor N is <Dtype>, wanted <Dtype>" when `dtype` is given and differs.
@@ -147,7 +161,7 @@ class TensorStore:
         if dtype is not None and info.dtype != dtype:
             raise BundleError(f"tensor {name} is {DTYPE_NAMES[info.dtype]}, wanted {_dtype_name(dtype)}")
         view = np.frombuffer(self.buffer, DTYPES[info.dtype], info.count, info.offset)
-        return view.reshape(info.shape)
+        return view.reshape(info.shape) if info.shaped else view
 
     def raw(self, name: str) -> np.ndarray:
         """The bytes of `name`, of any dtype, as a read-only uint8 view.
