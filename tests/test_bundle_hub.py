@@ -319,6 +319,11 @@ def test_links_to_what_is_not_a_regular_file_stay_refused(cache, capsys):
             assert any(f"{rel}: is a symbolic link to {target}, which {reason}" in p for p in problems), label
     code, out, _ = run(capsys, "bundle", "owner/name")
     assert code == 1 and f"{rel}: is a symbolic link to ../../../blobs/0000, which does not exist" in out
+    kernel.unlink()
+    os.symlink(kernel.name, kernel)  # a link to itself
+    with Bundle.open(snap) as b, pytest.raises(BundleError) as e:
+        b.file_bytes(rel)
+    assert str(e.value) == f"{rel}: is a symbolic link in a loop of links"
     (snap / "vocab.json").unlink()
     os.symlink("/dev/null", snap / "vocab.json")
     with pytest.raises(BundleError) as e:
