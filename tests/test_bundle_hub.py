@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sam3 import validate_hook
 from sam3.build import build
 from sam3.bundle import Bundle, BundleError, hub, summarize
 from sam3.cli import main
@@ -138,6 +139,9 @@ def test_segment_and_check_run_on_a_hub_name(cache, source, image, capsys):
     assert len(want[0]["instances"]) > 0
     code, out, _ = run(capsys, "check", "owner/name@v1", "--device", "emu")
     assert code == 0 and out.startswith("loaded owner/name@v1 (") and "ALL CHECKS PASSED" in out
+    code, out, _ = run(capsys, "demo", "--bundle", "owner/name", "--device", "emu", "--json", "-o", "")
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] and doc["bundles"] == ["owner/name"] and doc["weights"] == "from the bundle"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,9 +154,12 @@ def test_names_and_revisions_resolve_to_their_snapshots(cache, capsys):
         code, out, _ = run(capsys, "bundle", name, "--json")
         assert code == 0, name
         assert json.loads(out)["root"] == str(snap_dir(cache, commit)), name
-    with Bundle.open("owner/name@v1") as b:
-        assert b.root == snap_dir(cache, TAGGED)
+    with Bundle.open("owner/name@v1") as b, Bundle.open(Path("owner/name@v1")) as p:  # demo --bundle passes a Path
+        assert b.root == p.root == snap_dir(cache, TAGGED)
         assert b.file_bytes("manifest.txt").endswith(b"# tagged\n")
+    with Bundle.open(snap_dir(cache, MAIN)) as b:  # amdxdna validate --bundle reads through the same hook
+        assert [k.insts for k in validate_hook.bundle_kernels("owner/name")] == \
+            [b.kernel(key).insts for key in b.kernel_keys()]
     ref(cache, "nl", TAGGED, text=TAGGED + "\n")  # a ref written with a line break still names its commit
     with Bundle.open("owner/name@nl") as b:
         assert b.root == snap_dir(cache, TAGGED)

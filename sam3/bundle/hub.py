@@ -122,15 +122,16 @@ def _read_ref(ref: Path) -> str:
 
 
 def locate(bundle: str | os.PathLike[str]) -> str | os.PathLike[str]:
-    """The directory a bundle argument names: `bundle` itself when it is a directory or not a hub name, else the
-    snapshot `resolve` finds for it (docs/sam3-bundle.md 13).
+    """The directory a bundle argument (a str or a path) names: `bundle` itself when it is a directory or not a hub
+    name, else the snapshot `resolve` finds for it (docs/sam3-bundle.md 13).
 
     Raises:
         HubError: `bundle` is a hub name that is not in the cache (see `resolve`).
     """
-    if not isinstance(bundle, str) or os.path.isdir(bundle):
+    text = os.fspath(bundle)
+    if not isinstance(text, str) or os.path.isdir(text):
         return bundle
-    name = parse_name(bundle)
+    name = parse_name(text)
     return bundle if name is None else resolve(name)
 
 
