@@ -42,6 +42,8 @@ from .manifest import (
 from .tensors import TensorStore, parse_index, upload_tensors
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_LINK = "a component of the path is not a directory (or is a symbolic link)"
+
 
 class _Dir:
     """The bundle directory, held open: every file is opened relative to its descriptor, and must stay the file
@@ -174,9 +176,6 @@ class _Dir:
             os.close(fd)
 
 
-_DIR_LINK = "a component of the path is not a directory (or is a symbolic link)"
-
-
 def _linked(where: int, name: str, reason: str, about_target: bool) -> str:
     """`reason`, saying so when `name` is a symbolic link and the reason is about its target (missing or not a
     regular file): "is a symbolic link to T, which is not a regular file (a FIFO)"."""
@@ -196,7 +195,6 @@ def _refusal(e: files.FileRefused) -> str:
     reasons = {
         "size": f"{e.size} bytes, over the {limit} limit",
         "grew": f"grew past the {limit} limit while being read",
-        "dir-link": _DIR_LINK,
     }
     return reasons.get(e.code, e.reason)
 
