@@ -267,6 +267,10 @@ def test_a_name_not_in_the_cache_is_one_line_naming_what_was_looked_for(cache, c
         Bundle.open("owner/name@gone")
     assert str(e.value).startswith("owner/name@gone: not a bundle directory, and revision gone of owner/name is not in")
     assert f"(looked for {folder}/refs/gone (commit aaaa) and {folder}/snapshots/aaaa);" in str(e.value)
+    ref(cache, "huge", "a" * 5000)  # no ref is that long: refused by its size, not read
+    with pytest.raises(BundleError) as e:
+        Bundle.open("owner/name@huge")
+    assert str(e.value).startswith(f"{folder}/refs/huge: cannot read the ref ({folder}/refs/huge: 5000 bytes, over ")
     code, out, err = run(capsys, "segment", "owner/absent", "x.png", "a cat", "--device", "emu")
     assert code == 1 and err.count("\n") == 1 and "fetch it with `sam3 download owner/absent`" in err
     code, out, err = run(capsys, "check", "owner/absent", "--device", "emu")
