@@ -19,7 +19,7 @@ from amdxdna_direct.cli import guarded, one_line
 from amdxdna_direct.errors import Error
 from sam3 import build as build_mod
 from sam3 import demo as demo_mod
-from sam3.bundle import Bundle, BundleError, format_summary, split_fields, summarize
+from sam3.bundle import Bundle, BundleError, format_summary, hub, split_fields, summarize
 from sam3.npu import DEFAULT_TIMEOUT, NpuError
 
 SCHEMA = 1
@@ -65,13 +65,13 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bundle", help="summarise a bundle: params, xclbins, kernels, tensors, problems",
                        description="Reads a bundle (manifest.txt, tensors.txt, tensors.bin) and lists what its files "
                                    "say, as `amdxdna xclbin` does for an xclbin. Exit 1 when a problem is found.")
-    b.add_argument("bundle", help="the bundle directory")
+    b.add_argument("bundle", help="the bundle directory, or owner/name[@revision] in the Hugging Face cache")
     b.add_argument("--json", action="store_true", help="print the summary as one JSON document")
     s = sub.add_parser("segment", help="every instance of a text prompt in an image: score, box, mask",
                        description="Segments IMAGE for each PROMPT (several prompts reuse the image's encoder "
                                    "outputs) and prints the instances in query order, per-stage and per-kernel "
                                    "times, contexts loaded and evicted.")
-    s.add_argument("bundle", help="the bundle directory")
+    s.add_argument("bundle", help="the bundle directory, or owner/name[@revision] in the Hugging Face cache")
     s.add_argument("image", help="a JPEG or PNG image")
     s.add_argument("prompt", nargs="+", help="the text prompt(s)")
     s.add_argument("-o", "--output", help="write an overlay image (masks blended, boxes drawn); format by extension")
@@ -80,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--reps", type=int, default=1, help="forwards per prompt, each timed (default 1)")
     s.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU, else the emulator)")
     s.add_argument("--json", action="store_true", help="one JSON document; masks as run-length encodings")
+    dl = sub.add_parser("download", help="fetch a bundle from the Hugging Face Hub into its cache",
+                        description="Fetches the repository OWNER/NAME with huggingface_hub (the hub extra) into the "
+                                    "Hugging Face cache and prints its snapshot directory; bundle arguments then "
+                                    "accept OWNER/NAME[@REVISION].")
+    dl.add_argument("repo", help="owner/name[@revision]")
+    dl.add_argument("--revision", help="branch, tag or commit (default main)")
+    dl.add_argument("--json", action="store_true", help="print one JSON document")
     sub.add_parser("build", help="write a generated bundle (sam3 build --help)", add_help=False)
     sub.add_parser("check", help="check a bundle against its own float32 reference (sam3 check --help)",
                    add_help=False)
@@ -190,6 +197,18 @@ def _bundle(args: argparse.Namespace) -> int:
     return 1 if summary.get("problems") else 0
 
 
+def _download(args: argparse.Namespace) -> int:
+    try:
+        where = hub.download(args.repo, args.revision)
+    except hub.HubError as e:  # its own line, without the "bundle:" of a bundle's errors
+        return _fail("download", str(e), args.json)
+    revision = args.revision or args.repo.partition("@")[2] or hub.DEFAULT_REVISION
+    doc = {"schema": SCHEMA, "command": "download", "ok": True, "repo": args.repo.partition("@")[0],
+           "revision": revision, "commit": where.name, "path": str(where)}
+    print(json.dumps(doc) if args.json else where)
+    return 0
+
+
 def _log_warnings() -> None:
     """The library's warnings (a truncated prompt, ...) as one stderr line each, unless the caller configured
     logging itself."""
@@ -209,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return guarded("sam3", lambda: _main(argv), argv, _COMMANDS)
 
 
-_COMMANDS = ("demo", "bundle", "segment", "build", "check", "export")
+_COMMANDS = ("demo", "bundle", "segment", "download", "build", "check", "export")
 
 
 def _main(argv: list[str]) -> int:
@@ -227,7 +246,7 @@ def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     try:
-        handler: Any = {"demo": _demo, "bundle": _bundle, "segment": _segment}[args.command]
+        handler: Any = {"demo": _demo, "bundle": _bundle, "segment": _segment, "download": _download}[args.command]
         return int(handler(args))
     except BrokenPipeError:
         raise  # stdout's own failures: guarded() ends quietly or says so in one line

@@ -7,11 +7,14 @@ read-only, so a tensor is a zero-copy numpy view; `BundleWriter` writes the same
 an open bundle into a JSON-ready description plus a list of problems found.
 
 The modules: `manifest` (the text grammar, records, params), `tensors` (the index and the mapping),
-`reader` (`Bundle`), `writer` (`BundleWriter`), `summary` (`summarize`, `format_summary`). Every public name
-is importable from `sam3.bundle` itself.
+`reader` (`Bundle`), `writer` (`BundleWriter`), `summary` (`summarize`, `format_summary`), `hub` (a bundle
+named `owner/name[@revision]` in the Hugging Face cache, and its download). Every public name of the first
+five is importable from `sam3.bundle` itself; `hub` is used as a module (`from sam3.bundle import hub`).
 
-Every file is opened relative to the bundle directory's file descriptor without following symbolic links
-(docs/sam3-bundle.md 8), and every error is a `BundleError` naming the file, line and record.
+Every file is opened relative to the bundle directory's file descriptor, its directories without following
+symbolic links; a link in a file's last component is followed to a regular file wherever it points (a hub
+snapshot's files link into the cache's blobs), and a file replaced after the bundle was opened is refused
+(docs/sam3-bundle.md 8). Every error is a `BundleError` naming the file, line and record.
 """
 
 from .manifest import (

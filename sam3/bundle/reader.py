@@ -1,4 +1,5 @@
-"""`Bundle.open`: a bundle directory held open, every file opened relative to it (docs/sam3-bundle.md 7-9)."""
+"""`Bundle.open`: a bundle directory (or a hub snapshot) held open, every file opened relative to it
+(docs/sam3-bundle.md 7-9, 13)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import cast
 
 from amdxdna_direct import files
 
+from . import hub
 from .manifest import (
     _U32_MAX,
     BLOB,
@@ -40,9 +42,13 @@ from .manifest import (
 )
 from .tensors import TensorStore, parse_index, upload_tensors
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_LINK = "a component of the path is not a directory (or is a symbolic link)"
+
 
 class _Dir:
-    """The bundle directory, held open: every file is opened relative to its descriptor (docs/sam3-bundle.md 8)."""
+    """The bundle directory, held open: every file is opened relative to its descriptor, and must stay the file
+    first found there (docs/sam3-bundle.md 8)."""
 
     def __init__(self, directory: str | os.PathLike[str]):
         try:
@@ -51,6 +57,8 @@ class _Dir:
             raise BundleError(f"{files.shown(directory)}: cannot open the bundle directory "
                               f"({os.strerror(e.errno or 0)})") from e
         self.root = Path(os.path.realpath(directory))
+        # (st_dev, st_ino) of each file when first opened: a later open finding another file refuses it.
+        self._seen: dict[tuple[str, ...], tuple[int, int]] = {}
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -58,7 +66,9 @@ class _Dir:
             self.fd = -1
 
     def inside(self, text: str) -> tuple[str, ...] | str:
-        """The real in-bundle components of a bundle-relative path, or the reason it is refused."""
+        """The in-bundle components of a bundle-relative path: its directories resolved (they must stay inside the
+        bundle), its last component as written (a link there is followed when the file is opened); or the reason
+        the path is refused."""
         if not text:
             return "is empty"
         if "\0" in text:
@@ -68,17 +78,20 @@ class _Dir:
         parts = _rel_parts(text)
         if parts is None:
             return "escapes the bundle directory"
-        real = os.path.realpath(os.path.join(self.root, *parts))
+        if not parts:
+            return ()
+        real = os.path.realpath(os.path.join(self.root, *parts[:-1]))
         rel = os.path.relpath(real, self.root)
         if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
-            return f"is a symbolic link pointing out of the bundle (to {real})"
-        return () if rel == "." else tuple(rel.split("/"))
+            return f"passes through a symbolic link to a directory outside the bundle ({real})"
+        return (*(() if rel == "." else rel.split("/")), parts[-1])
 
     def resolve(self, text: str) -> tuple[str, ...]:
         """The real in-bundle components of `text`.
 
         Raises:
-            BundleError: "<text>: the path is absolute" (escapes, links out of the bundle, is empty).
+            BundleError: "<text>: the path is absolute" (escapes, passes through a directory link out of the bundle,
+                is empty).
         """
         where = self.inside(text)
         if isinstance(where, str):
@@ -86,22 +99,65 @@ class _Dir:
         return where
 
     def open_file(self, parts: tuple[str, ...], what: str, limit: int | None = None) -> int:
-        """A descriptor of the regular file at `parts`, opened without following any link, by
-        `amdxdna_direct.files` relative to the directory's descriptor (docs/files.md 2).
+        """A descriptor of the regular file at `parts`: its directories opened one by one without following a
+        link, the file itself (a link followed wherever it points) by `amdxdna_direct.files` (docs/files.md 2);
+        it must be the file first found at `parts` (docs/sam3-bundle.md 8).
 
         Raises:
-            BundleError: "<what>: no such file", "... is a symbolic link", "... is not a regular file", ...
+            BundleError: "<what>: no such file", "... is not a regular file", "... was replaced after ...", ...
         """
         if self.fd < 0:
             raise BundleError(f"{files.shown(what)}: the bundle is closed")
         if not parts:
             raise BundleError(f"{files.shown(what)}: is the bundle directory, not a file")
+        where = self._walk(parts[:-1], what)
         try:
-            return files.open_fd("/".join(parts), "tensors", limit=limit, dir_fd=self.fd, follow_symlinks=False)
+            fd = files.open_fd(parts[-1], "tensors", limit=limit, dir_fd=where)
         except files.FileRefused as e:
-            raise BundleError(f"{files.shown(what)}: {_refusal(e)}") from e
+            reason = _linked(where, parts[-1], _refusal(e), e.code == "type")
+            raise BundleError(f"{files.shown(what)}: {reason}") from e
         except OSError as e:
-            raise BundleError(f"{files.shown(what)}: {_open_reason(e)}") from e
+            reason = _linked(where, parts[-1], _open_reason(e), e.errno == errno.ENOENT)
+            raise BundleError(f"{files.shown(what)}: {reason}") from e
+        finally:
+            if where != self.fd:
+                os.close(where)
+        return self._same(fd, parts, what)
+
+    def _walk(self, dirs: tuple[str, ...], what: str) -> int:
+        """A descriptor of the directory `dirs` (the bundle's own for none), each component opened `O_NOFOLLOW`, so
+        a directory swapped for a link after it was resolved is refused. The caller closes it unless it is `fd`."""
+        fd = self.fd
+        try:
+            for part in dirs:
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                if fd != self.fd:
+                    os.close(fd)
+                fd = nxt
+        except OSError as e:
+            if fd != self.fd:
+                os.close(fd)
+            reason = _DIR_LINK if e.errno in (errno.ELOOP, errno.ENOTDIR) else _open_reason(e)
+            raise BundleError(f"{files.shown(what)}: {reason}") from e
+        return fd
+
+    def _same(self, fd: int, parts: tuple[str, ...], what: str) -> int:
+        """`fd` when its file is the one first opened at `parts` (recording it the first time); else refused."""
+        st = os.fstat(fd)
+        if self._seen.setdefault(parts, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+            os.close(fd)
+            raise BundleError(f"{files.shown(what)}: was replaced after the bundle was opened (another file is there "
+                              "now)")
+        return fd
+
+    def pin(self, parts: tuple[str, ...]) -> None:
+        """Record the file at `parts` now, if it can be opened, so a file swapped for it later is refused; a file
+        that cannot be opened is reported when it is read."""
+        if parts and parts not in self._seen:
+            try:
+                os.close(self.open_file(parts, "/".join(parts)))
+            except BundleError:
+                pass
 
     def read(self, parts: tuple[str, ...], what: str, limit: int) -> bytes:
         """The whole regular file at `parts`, at most `limit` bytes (docs/files.md 3).
@@ -121,23 +177,34 @@ class _Dir:
             os.close(fd)
 
 
+def _linked(where: int, name: str, reason: str, about_target: bool) -> str:
+    """`reason`, saying so when `name` is a symbolic link and the reason is about its target (missing or not a
+    regular file): "is a symbolic link to T, which is not a regular file (a FIFO)"."""
+    try:
+        target = os.readlink(name, dir_fd=where) if about_target else None
+    except OSError:
+        target = None
+    if target is None:
+        return reason
+    which = "does not exist" if reason == "no such file" else reason
+    return f"is a symbolic link to {files.shown(target)}, which {which}"
+
+
 def _refusal(e: files.FileRefused) -> str:
     """The bundle's wording of a refusal by amdxdna_direct.files (docs/sam3-bundle.md 8)."""
     limit = files.limit_text(e.limit) if e.limit is not None else ""
     reasons = {
         "size": f"{e.size} bytes, over the {limit} limit",
         "grew": f"grew past the {limit} limit while being read",
-        "link": "is a symbolic link (bundle files are opened without following links)",
-        "dir-link": "a component of the path is not a directory (or is a symbolic link)",
     }
     return reasons.get(e.code, e.reason)
 
 
 def _open_reason(e: OSError) -> str:
     if e.errno == errno.ELOOP:
-        return "is a symbolic link (bundle files are opened without following links)"
+        return "is a symbolic link in a loop of links"
     if e.errno == errno.ENOTDIR:
-        return "a component of the path is not a directory (or is a symbolic link)"
+        return _DIR_LINK
     if e.errno == errno.ENOENT:
         return "no such file"
     return f"cannot open ({errno.errorcode.get(e.errno or 0, '?')}: {os.strerror(e.errno or 0)})"
@@ -173,14 +240,17 @@ class Bundle:
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str]) -> Bundle:
-        """Open and check the bundle in `directory` (docs/sam3-bundle.md 7).
+        """Open and check the bundle in `directory` (docs/sam3-bundle.md 7): a directory, or `owner/name[@revision]`
+        naming a snapshot in the local Hugging Face hub cache when no such directory exists (docs/sam3-bundle.md 14).
 
         Raises:
             BundleError: any grammar, version, param, kernel, path, tensor, vocab.json or merges.txt error;
-                the message names the file, line and record.
+                the message names the file, line and record. `hub.HubError` (a BundleError): a hub name that is
+                not in the cache.
         """
+        where = hub.locate(directory)
         self = cls.__new__(cls)
-        self._dir = _Dir(directory)
+        self._dir = _Dir(where)
         self._insts = {}
         self.tensors = TensorStore({}, b"")
         try:
@@ -243,10 +313,12 @@ class Bundle:
         self.version = version
 
     def _path(self, r: Record, text: str, what: str) -> Path:
-        """A manifest path, refused when absolute, escaping the bundle or a link out of it (docs/sam3-bundle.md 8)."""
+        """A manifest path, refused when absolute, escaping the bundle or through a directory link out of it; its
+        file is recorded now, so one swapped later is refused (docs/sam3-bundle.md 8)."""
         where = self._dir.inside(text)
         if isinstance(where, str):
             raise r.error(f"{what} path {text!r} {where}")
+        self._dir.pin(where)
         parts = _rel_parts(text) or ()
         return self.root.joinpath(*parts)
 
@@ -388,12 +460,13 @@ class Bundle:
         return self.relative(path) if isinstance(path, Path) and path.is_absolute() else str(path)
 
     def file_bytes(self, path: Path | str, limit: int = FILE_LIMIT) -> bytes:
-        """The bytes of a bundle file (an xclbin, a stream, an image), read without following links.
+        """The bytes of a bundle file (an xclbin, a stream, an image): a link in its last component is followed to
+        a regular file, the file must be the one found when the bundle was opened (docs/sam3-bundle.md 8).
 
         `path` is one of this bundle's resolved paths or a bundle-relative one.
 
         Raises:
-            BundleError: the path is refused, the file is missing, not regular, a link, or over `limit`.
+            BundleError: the path is refused, the file is missing, not regular, replaced, or over `limit`.
         """
         text = self._text(path)
         return self._dir.read(self._dir.resolve(text), text, limit)
