@@ -682,6 +682,16 @@ class Device:
         return self.file.name
 
     @property
+    def driver(self) -> str:
+        """Which driver runs: DRM_IOCTL_VERSION's name and version, then the emulator's NPU and driver profile
+        (``amdxdna_accel_driver 0.6.0 (emulator npu4:linux-7.0)``, docs/emulator.md "Driver profiles") or the
+        running kernel's release."""
+        v = self.version
+        where = (f"emulator {self.emulator.profile.name}:{self.emulator.profile.driver}" if self.emulator is not None
+                 else f"kernel {os.uname().release}")
+        return f"{v.name} {v.major}.{v.minor}.{v.patchlevel} ({where})"
+
+    @property
     def generation(self) -> str | None:
         """``npu1`` / ``npu4`` / ``npu5`` / ``npu6``: the emulator's profile, else the node's PCI id and
         revision from sysfs; None when they cannot be read or are not in the driver's table."""
@@ -1232,8 +1242,9 @@ def unmap(file: DeviceFile, addr: int, length: int) -> None:
 def open_device(spec: str | os.PathLike[str] | EmuDevice | None = None) -> Device:
     """Open a device.
 
-    ``spec``: ``"emu"`` / ``"emu:<profile>"`` (a new emulated device owned by the Device; the emulator is
-    not cache coherent, ``"emu:<profile>:coherent"`` models the caches away), an
+    ``spec``: ``"emu"`` / ``"emu:<npu>[:<driver>]"`` (a new emulated device owned by the Device: ``emu:npu1``,
+    ``emu:npu4:linux-6.18``; the driver defaults to the newest mainline kernel modelled; the emulator is
+    not cache coherent, a trailing ``:coherent`` models the caches away), an
     ``EmuDevice`` (a new fd on it), a path such as ``"/dev/accel/accel0"``, or None: the environment
     variable ``AMDXDNA_DEVICE`` if set, else the first ``/dev/accel/accel*`` bound to amdxdna.
 
@@ -1248,18 +1259,14 @@ def open_device(spec: str | os.PathLike[str] | EmuDevice | None = None) -> Devic
         if not spec:
             return _discover()
     if isinstance(spec, str) and (spec == "emu" or spec.startswith("emu:")):
-        from .emu import PROFILES, EmuDevice
+        from .emu import EmuDevice, resolve
 
         _, _, rest = spec.partition(":")
-        profile, _, variant = rest.partition(":")
-        profile = profile or DEFAULT_EMU_PROFILE
-        if profile not in PROFILES:
-            raise ValueError(f"open_device({spec!r}): unknown emulator profile {profile!r} "
-                             f"(profiles: {', '.join(sorted(PROFILES))})")
-        if variant not in ("", "coherent"):
-            raise ValueError(f"open_device({spec!r}): unknown emulator variant {variant!r} (only 'coherent': "
-                             f"'emu:{profile}:coherent', caches modelled away)")
-        emu = EmuDevice(profile, coherent=True) if variant else EmuDevice(profile)
+        try:
+            chosen = resolve(rest)      # <npu>[:<driver>][:coherent] (docs/emulator.md, Driver profiles)
+        except KeyError as exc:
+            raise ValueError(f"open_device({spec!r}): {exc.args[0]}") from None
+        emu = EmuDevice(chosen)
         try:
             return Device(emu.open(), emulator=emu, owns_emulator=True)
         except BaseException:

@@ -393,7 +393,7 @@ class Npu:
         self.seam = self.dev.open()
         self.raw = Raw(self.seam)
         self.heap, self.heap_va = self.raw.heap()
-        self.gen = 3 if profile == "npu1" else 4
+        self.gen = 3 if profile.split(":")[0] == "npu1" else 4
 
     def context(self, cus: int = 1, pdi: bytes = b"\xdd" * 256, num_tiles: int = 4) -> tuple[int, int]:
         ctx, syncobj = self.raw.create_hwctx(num_tiles=num_tiles)

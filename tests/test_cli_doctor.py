@@ -593,7 +593,7 @@ def run_doctor(device, capsys, **overrides) -> tuple[int, dict[str, doctor.Check
 
 def test_cli_old_driver_numbering_fails_and_skips_the_rest(capsys):
     # A pre-December-2024 out-of-tree driver: nr 0x47 is its WAIT_CMD, so GET_INFO is refused (docs/uapi.md 1b).
-    with EmuDevice("npu1") as emu:
+    with EmuDevice("npu1", drm_minor=10) as emu:     # an old driver claiming feature level 0.10
         old = AlteredDriver(emu, fail={DRM_IOCTL_AMDXDNA_GET_INFO: lambda req: errno.EINVAL})
         rc, results = run_doctor(old, capsys)
     assert rc == 1

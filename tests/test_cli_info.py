@@ -60,7 +60,7 @@ def test_info_json_on_npu4():
 
 
 def test_context_table_shows_another_fds_context(capsys):
-    with EmuDevice("npu4") as emu:
+    with EmuDevice("npu4:linux-6.18") as emu:
         with open_device(emu) as other:
             stream = insts.dma_stream(4, [(0, 256, "in"), (1, 256, "out")])
             bind_model(emu, stream, Passthrough())
@@ -211,7 +211,7 @@ def test_info_json_without_a_device_is_still_json(tmp_path, capsys):
 
 
 def test_info_json_carries_every_field_of_the_mainline_entry(capsys):
-    with EmuDevice("npu4") as emu:
+    with EmuDevice("npu4:linux-6.18") as emu:
         with open_device(emu) as other:
             held = other.hw_context(build_mlir_aie(b"pdi", column_width=1, n_buffers=2), priority="low")
             assert info_cmd.run(argparse.Namespace(device=emu, json=True)) == 0
@@ -227,7 +227,7 @@ def test_info_json_carries_every_field_of_the_mainline_entry(capsys):
 
 def test_emulated_staging_driver_names_the_process(capsys):
     comm = Path("/proc/self/comm").read_text().strip()[:15]  # the task's name, at most TASK_COMM_LEN - 1
-    with EmuDevice("npu4", hwctx_entry_size=160) as emu:
+    with EmuDevice("npu4:xdna-oot") as emu:
         with open_device(emu) as other:
             held = other.hw_context(build_mlir_aie(b"pdi", column_width=2, n_buffers=2))
             assert info_cmd.run(argparse.Namespace(device=emu, json=True)) == 0
@@ -235,7 +235,7 @@ def test_emulated_staging_driver_names_the_process(capsys):
             assert info_cmd.run(argparse.Namespace(device=emu, json=False)) == 0
             row = capsys.readouterr().out.splitlines()[-2].split()
             held.close()
-    assert (entry["element_size"], entry["name"], entry["num_col"]) == (160, comm, 2)
+    assert (entry["element_size"], entry["name"], entry["num_col"]) == (160, comm, 8)     # temporal-only NPU4
     assert set(ENTRY_FIELDS) <= set(entry)
     assert row[2:4] == [str(os.getpid()), comm]
 

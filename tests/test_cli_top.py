@@ -98,7 +98,7 @@ def test_snapshots_with_rates_from_real_submissions():
 
 
 def test_top_json_carries_every_field_of_the_drivers_entry(capsys):
-    with EmuDevice("npu4") as emu:
+    with EmuDevice("npu4:linux-6.18") as emu:       # spatial placement: the context's own 2 columns
         busy = Busy(emu)
         try:
             busy.submit(3)

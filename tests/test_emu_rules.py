@@ -53,6 +53,7 @@ from emu_raw import (
 from fixture_files import REPO_FIXTURES, SHARED
 
 from amdxdna_direct.emu import PROFILES, DeviceFault, EmuDevice, Passthrough
+from amdxdna_direct.emu.contexts import map_priority
 
 NPU1_1COL = REPO_FIXTURES / "xdna" / "mlir-aie-npu1_1col"
 KIB = 1 << 10
@@ -74,6 +75,13 @@ def dev():
 @pytest.fixture
 def raw(dev):
     return Raw(dev.open())
+
+
+@pytest.fixture
+def spatial():
+    """An fd on npu4 under Linux 6.18, whose placement is spatial (7.0's NPU4 is temporal-only, S14)."""
+    with emu_device("npu4:linux-6.18", tdr_timeout=5.0) as device:
+        yield Raw(device.open())
 
 
 def hw_contexts(raw: Raw) -> list[tuple]:
@@ -336,7 +344,8 @@ def test_rule_H4_placement_after_context(raw):
     assert raw.dev_bo(PAGE)[1].xdna_addr == HEAP_BASE + 4 * 32 * KIB
 
 
-def test_rule_H5(raw):
+def test_rule_H5(spatial):
+    raw = spatial
     raw.heap()
     for tiles in (0, 3, 4 * 9):                  # zero tiles, zero columns, more columns than npu4 has
         assert errno_of(raw.create_hwctx, tiles) == errno.EINVAL
@@ -359,7 +368,7 @@ def test_rule_H6():
         raw.heap()
         raw.create_hwctx(4 * 5)
         assert hw_contexts(raw)[0][1:3] == (0, 5)                 # only a full partition uses column 0
-    with emu_device("npu6") as aligned:
+    with emu_device("npu6:linux-6.18") as aligned:
         raw = Raw(aligned.open())
         raw.heap()
         for tiles in (4, 8, 16, 4):
@@ -417,7 +426,8 @@ def test_rule_H9(raw):
         raw.create_hwctx(priority=priority)
     data, size, count = get_array(raw, HW_CONTEXT_ALL, HWCTX_ENTRY_SIZE, 8)
     priorities = [struct.unpack_from("<Q", data, i * size + 64)[0] for i in range(count)]
-    assert priorities == [0x100, 0x280, 0x180, 0x180]
+    assert priorities == [0x100, 0x280, 0x123, 0]     # GET_ARRAY reports qos.priority as given (S19)
+    assert [map_priority(p) for p in priorities] == [0x100, 0x280, 0x180, 0x180]    # what the firmware gets
 
 
 def test_rule_H10(raw):
@@ -432,7 +442,7 @@ def test_rule_H10(raw):
 
 
 def test_rule_H10_in_flight_jobs_abort():
-    with emu_device("npu1", tdr_timeout=30.0) as dev:
+    with emu_device("npu1:xdna-oot", tdr_timeout=30.0) as dev:      # the out-of-tree driver's 0xFF fill
         raw = Raw(dev.open())
         job = Npu1Job(dev, raw, Passthrough())
         dev.faults.hang(job.insts)                # the first run hangs, the second queues behind it
@@ -624,8 +634,9 @@ def test_rule_I1(raw):
     assert errno_of(call, raw.seam, "GET_INFO", QUERY_AIE_VERSION, 8, 0) == errno.EFAULT
 
 
-def test_rule_I2(dev, raw):
-    col_size = dev.profile.col_size
+def test_rule_I2(spatial):
+    raw = spatial
+    col_size = raw.seam.device.profile.col_size
     status = UserMem(8 * col_size)
 
     def query(buffer_size: int) -> tuple:
@@ -662,16 +673,23 @@ def test_rule_I3(dev, raw):
         assert struct.unpack_from("<HH", meta, 4) == (5, 6)
 
 
-def test_rule_I4(raw):
+def test_rule_I4(spatial):
+    raw = spatial
     raw.heap()
     first, sync = raw.create_hwctx(4)
     second, _ = raw.create_hwctx(16)
     malformed = cmd_bo(raw, bytes(16))[0]            # header count 0: fails with state NEW
     raw.timeline_wait(sync, raw.exec_cmd(first, malformed, []))
-    assert hw_contexts(raw) == [(first, 0, 1, os.getpid(), 1, 1, 1), (second, 4, 4, os.getpid(), 0, 0, 0)]
+    # `errors` is never set by any driver version (S15)
+    assert hw_contexts(raw) == [(first, 0, 1, os.getpid(), 1, 1, 0), (second, 4, 4, os.getpid(), 0, 0, 0)]
 
 
-def test_rule_I5(raw):
+def test_rule_I5():
+    with emu_device("npu4:xdna-oot", tdr_timeout=5.0) as device:    # the entry fields the out-of-tree driver fills
+        _check_rule_I5(Raw(device.open()))
+
+
+def _check_rule_I5(raw):
     for element_size, num_element, pad in ((8, 1, 1), (8, 0, 0), (0, 1, 0)):
         assert errno_of(get_array, raw, HW_CONTEXT_ALL, element_size, num_element, pad) == errno.EINVAL
     assert errno_of(get_array, raw, 99, 8, 1) == errno.EOPNOTSUPP
@@ -680,15 +698,16 @@ def test_rule_I5(raw):
     raw.heap()
     handles = [raw.create_hwctx()[0] for _ in range(3)]
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 200, 8)
-    assert (size, count) == (HWCTX_ENTRY_SIZE, 3)
+    assert (size, count) == (160, 3)                                # the out-of-tree entry, with the name
     assert [struct.unpack_from("<I", data, i * size)[0] for i in range(3)] == handles
-    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, docs/uapi.md 2.5): columns 0..0, pid, the fd's heap usage (the
-    # 4 x 4 KiB command-list BOs of each of the 3 contexts), priority HIGH for a zero QoS, state ACTIVE, the PASID.
+    # Entry 0 (offsets of amdxdna_drm_hwctx_entry, docs/uapi.md 2.5): the whole array from column 0 (temporal),
+    # pid, the fd's heap usage (the 4 x 4 KiB command-list BOs of each of the 3 contexts), the zero priority as
+    # given, state ACTIVE, the PASID.
     first = struct.unpack_from("<IIIIqQQQQQQQQII", data)
-    assert first[1:3] == (0, 1) and first[4] == os.getpid() and first[10:12] == (0x180, 3 * 4 * PAGE)
+    assert first[1:3] == (0, 8) and first[4] == os.getpid() and first[10:12] == (0, 3 * 4 * PAGE)
     assert first[13:] == (1, 1)
     data, size, count = get_array(raw, HW_CONTEXT_ALL, 8, 2)
-    assert (size, count) == (8, 2) and struct.unpack_from("<4I", data) == (1, 0, 2, 1)
+    assert (size, count) == (8, 2) and struct.unpack_from("<4I", data) == (1, 0, 2, 0)
     assert get_array(raw, HW_LAST_ASYNC_ERR, 8, 4)[1:] == (24, 1)
     usage, _, _ = get_array(raw, BO_USAGE, 32, 1, prefill=struct.pack("<q", 1 << 30))
     assert struct.unpack("<q3Q", usage) == (1 << 30, 0, 0, 0)       # a pid with no fds
@@ -766,10 +785,13 @@ def test_counters_back_to_zero_after_error_paths():
 
 
 def test_wait_cmd_upstream_and_out_of_tree():
-    with emu_device("npu4") as upstream:
+    with emu_device("npu4") as linux_7_0:
+        raw = Raw(linux_7_0.open())
+        assert errno_of(raw.seam.ioctl, ioc(IOW, 0x49, 16), pack("wait_cmd", 1, 0, 0)) == errno.EINVAL  # S13
+    with emu_device("npu4", drm_minor=10) as upstream:          # mainline 0.10: IOW, no cmd_wait op on AIE2
         raw = Raw(upstream.open())
         assert errno_of(call, raw.seam, "WAIT_CMD", 1, 0, 0) == errno.EOPNOTSUPP
-    with emu_device("npu4", wait_cmd=True) as oot:
+    with emu_device("npu4:xdna-oot") as oot:
         raw = Raw(oot.open())
         raw.heap()
         ctx, _ = raw.create_hwctx()
@@ -804,7 +826,12 @@ def test_prime_export_import_shares_the_bo(dev, raw):
     assert dev.counters.live()["bos"] == 0
 
 
-def test_bo_usage_sums_this_pid(raw):
+def test_bo_usage_sums_this_pid():
+    with emu_device("npu4", drm_minor=10) as device:      # BO_USAGE: feature level 0.8
+        _check_bo_usage(Raw(device.open()))
+
+
+def _check_bo_usage(raw):
     heap, _ = raw.heap(2 * MIB)
     raw.create_bo(3 * PAGE, BO_SHMEM)
     raw.create_bo(PAGE, BO_CMD)
@@ -846,7 +873,8 @@ def test_emulator_is_independent_of_the_binding():
     import amdxdna_direct.emu as emu
 
     allowed = {"__future__", "bisect", "collections", "contextlib", "ctypes", "dataclasses", "errno", "functools",
-               "hashlib", "logging", "math", "mmap", "operator", "os", "queue", "re", "struct", "threading", "time",
+               "hashlib", "logging", "math", "mmap", "operator", "os", "queue", "re", "struct", "sys", "threading",
+               "time",
                "typing", "weakref", "numpy", "ml_dtypes"}
     sources = sorted(Path(emu.__file__).parent.glob("*.py"))
     assert len(sources) >= 8

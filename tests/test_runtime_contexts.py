@@ -94,7 +94,7 @@ def _run_three_times(dev, emu, column_width: int = 1, priority: str | None = Non
 
 
 def test_hw_contexts_from_get_array_mainline_entries():
-    with EmuDevice("npu4") as emu, open_device(emu) as dev:
+    with EmuDevice("npu4:linux-6.18") as emu, open_device(emu) as dev:      # spatial placement: 2 columns
         assert dev.hw_contexts() == []
         ctx = _run_three_times(dev, emu, column_width=2, priority="normal")
         (entry,) = dev.hw_contexts()
@@ -107,15 +107,16 @@ def test_hw_contexts_from_get_array_mainline_entries():
 
 
 def test_hw_contexts_from_an_emulated_out_of_tree_driver():
-    # The emulator's hwctx_entry_size=160 profile answers staging / out-of-tree entries with the process name.
+    # The emulator's out-of-tree driver answers 160-byte entries with the process name; its NPU4 places every
+    # context over the whole array (temporal-only, 8 columns).
     with open("/proc/self/comm", encoding="ascii", errors="replace") as f:
         comm = f.read().strip()[:15]                 # the kernel's task name: 15 bytes and a NUL
-    with EmuDevice("npu4", hwctx_entry_size=160) as emu, open_device(emu) as dev:
+    with EmuDevice("npu4:xdna-oot") as emu, open_device(emu) as dev:
         first = _run_three_times(dev, emu)
         second = dev.hw_context(build_mlir_aie(b"pdi", column_width=2, n_buffers=2))
         entries = dev.hw_contexts()
     assert [(e.context_id, e.num_col, e.element_size, e.name) for e in entries] == \
-        [(first.handle, 1, OOT, comm), (second.handle, 2, OOT, comm)]
+        [(first.handle, 8, OOT, comm), (second.handle, 8, OOT, comm)]
     assert [e.command_submissions for e in entries] == [3, 0]
 
 

@@ -84,7 +84,7 @@ def test_open_device_rejects_other_types():
         open_device(42)
     with pytest.raises(ValueError, match="unknown emulator profile 'npu9'.*npu1"):
         open_device("emu:npu9")
-    with pytest.raises(ValueError, match=r"unknown emulator variant 'fast' \(only 'coherent': 'emu:npu1:coherent'"):
+    with pytest.raises(ValueError, match=r"unknown emulator driver 'fast' \(drivers: linux-6.14, .*':coherent' models"):
         open_device("emu:npu1:fast")
 
 

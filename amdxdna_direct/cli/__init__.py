@@ -404,11 +404,12 @@ def device_spec(text: str) -> str:
                                          f"at most {MAX_DEVICE})")
     kind, _, profile = text.partition(":")
     if kind == "emu" and profile:
-        from ..emu import PROFILES
+        from ..emu import resolve
 
-        if profile not in PROFILES:
-            raise argparse.ArgumentTypeError(f"{shown(text)}: unknown emulator profile {profile!r} "
-                                             f"(profiles: {', '.join(sorted(PROFILES))})")
+        try:
+            resolve(profile)
+        except KeyError as exc:
+            raise argparse.ArgumentTypeError(f"{shown(text)}: {exc.args[0]}") from None
     return text
 
 

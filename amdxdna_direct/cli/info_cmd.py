@@ -88,7 +88,8 @@ def collect(dev: Device) -> dict[str, Any]:
         "device": dev.name,
         "pci": _pci(dev),
         "driver": {"name": version.name, "version": f"{version.major}.{version.minor}.{version.patchlevel}",
-                   "feature_level": version.minor, "desc": version.desc, "date": version.date},
+                   "feature_level": version.minor, "desc": version.desc, "date": version.date,
+                   "emulator_driver": dev.emulator.profile.driver if dev.emulator is not None else None},
         "firmware": query(lambda: str(dev.firmware_version())),
         "aie": query(lambda: _aie(dev)),
         "clocks": query(lambda: clock_mhz(dev)),
@@ -169,8 +170,9 @@ def format_info(info: dict[str, Any]) -> str:
     """The text form: one labelled line per item, then the context table."""
     lines = [f"{'device':<12}{info['device']}", f"{'pci':<12}{_format_pci(info['pci'])}"]
     driver = info["driver"]
+    emulated = f"; emulator driver profile {driver['emulator_driver']}" if driver.get("emulator_driver") else ""
     lines.append(f"{'driver':<12}{driver['name']} {driver['version']} (feature level 0.{driver['feature_level']}; "
-                 f"{driver['desc']})")
+                 f"{driver['desc']}{emulated})")
     for label, key, fmt in (("firmware", "firmware", str), ("aie", "aie", _format_aie),
                             ("clocks", "clocks", _format_clocks), ("power mode", "power_mode", str),
                             ("resources", "resources", _format_resources)):

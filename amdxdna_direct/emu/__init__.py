@@ -8,7 +8,7 @@ See docs/emulator.md for the rule table, profiles, faults and model binding.
 from .driver import EmuDevice, EmuSeam
 from .memory import DeviceFault
 from .models import Elementwise, Gemm, Mha, Model, ModelRegistry, Passthrough
-from .profiles import PROFILES, Profile
+from .profiles import DEFAULT_DRIVER, DRIVERS, NPUS, PROFILES, Profile, resolve
 
-__all__ = ["PROFILES", "DeviceFault", "Elementwise", "EmuDevice", "EmuSeam", "Gemm", "Mha", "Model", "ModelRegistry",
-           "Passthrough", "Profile"]
+__all__ = ["DEFAULT_DRIVER", "DRIVERS", "NPUS", "PROFILES", "DeviceFault", "Elementwise", "EmuDevice", "EmuSeam",
+           "Gemm", "Mha", "Model", "ModelRegistry", "Passthrough", "Profile", "resolve"]

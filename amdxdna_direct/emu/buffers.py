@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import cast
 
-from . import coherence
+from . import coherence, usermem
 from .coherence import DeviceView
 from .memory import (
     AIE2_DEVM_BASE,
@@ -36,6 +36,8 @@ from .state import DeviceState
 DEV_HEAP_MAX = 64 << 20             # one heap <= 64 MiB per fd (docs/uapi.md 4.4, 7)
 MAX_LFS_FILESIZE = (1 << 63) - 1    # shmem_file_setup refuses a larger (negative loff_t) size with EINVAL
 SYNC_DIRECT_FROM_DEVICE = 1
+MAX_CMD_BO_SIZE = 32 << 10          # 6.14-6.17 refuse a larger CMD BO at creation (docs/emulator.md, Driver profiles)
+VA_TBL_HEADER = 8                   # struct amdxdna_drm_va_tbl: s32 dmabuf_fd, u32 num_entries (6.18+)
 DRM_CLOEXEC, DRM_RDWR = os.O_CLOEXEC, os.O_RDWR
 
 
@@ -131,6 +133,9 @@ class BoIoctls(DeviceState):
         maker = makers.get(kind)
         if maker is None:
             raise fail(errno.EINVAL, op, "unknown BO type")
+        if self.profile.drm_minor < 1 and (a["vaddr"] or size == 0):
+            # 6.14-6.17 refuse a user pointer and an empty BO of every type (docs/emulator.md, Driver profiles S5).
+            raise fail(errno.EINVAL, op, "vaddr must be 0 and size non-zero (feature level 0.0)")
         with self.lock:
             bo = maker(client, a, op)
             bo.handle = Client.lowest_free(client.bos)
@@ -156,6 +161,11 @@ class BoIoctls(DeviceState):
 
     def _create_shmem(self, client: Client, a: dict[str, int], op: str) -> Bo:
         if a["vaddr"]:
+            # From 6.18 vaddr points at a va_tbl the driver copies first: unreadable is EINVAL (S5).
+            try:
+                usermem.read(a["vaddr"], VA_TBL_HEADER, op + " va_tbl")
+            except OSError:
+                raise fail(errno.EINVAL, op, f"va_tbl at vaddr={a['vaddr']:#x} is unreadable") from None
             raise fail(errno.EOPNOTSUPP, op, "user-pointer / dma-buf BOs (va_tbl) are not modelled")
         if a["size"] == 0:
             raise fail(errno.EINVAL, op, "size 0 (emulator choice; the driver leaves it unchecked)")
@@ -166,6 +176,9 @@ class BoIoctls(DeviceState):
         # rule B5: room for the header; the 32 KiB ceiling waits for EXEC_CMD (docs/driver-rules.md)
         if a["size"] < 4:
             raise fail(errno.EINVAL, op, "CMD BO smaller than its 4-byte header")
+        if self.profile.drm_minor < 1 and a["size"] > MAX_CMD_BO_SIZE:
+            # 6.14-6.17 check the 32 KiB ceiling at creation, later drivers at EXEC_CMD (S9).
+            raise fail(errno.EINVAL, op, f"CMD BO larger than {MAX_CMD_BO_SIZE:#x} (feature level 0.0)")
         return self._backed_bo(AMDXDNA_BO_CMD, page_align(a["size"]), op)
 
     def _create_heap(self, client: Client, a: dict[str, int], op: str) -> Bo:
@@ -318,6 +331,9 @@ class BoIoctls(DeviceState):
                 # (docs/emulator.md, Memory coherence); the EINVAL below comes after the flush (rule B7).
                 start = bo.view_offset + min(a["offset"], bo.size)
                 bo.view.sync(start, bo.view_offset + min(a["offset"] + a["size"], bo.size))
+            if self.profile.staging_reports and a["offset"] >= bo.size:
+                # The out-of-tree driver checks the range (S12); mainline up to 7.0 does not.
+                raise fail(errno.EINVAL, op, f"offset={a['offset']:#x} >= BO size {bo.size:#x}")
             if self.profile.drm_minor >= 3 and a["direction"] == SYNC_DIRECT_FROM_DEVICE:
                 if bo.dbg_ctx is None:
                     raise fail(errno.EINVAL, op, "FROM_DEVICE on a BO that is not an assigned debug buffer")

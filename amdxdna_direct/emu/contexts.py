@@ -96,7 +96,12 @@ class ContextIoctls(DeviceState):
         if num_col == 0 or num_col > self.profile.columns:
             raise fail(errno.EINVAL, op, f"Invalid num_col {num_col}")
         self._check_qos(qos, a["max_opc"], op)
-        start = self._place(num_col, op)
+        if self.profile.temporal_only:
+            # 7.0+ NPU4/5/6 (TEMPORAL_ONLY): every context takes the whole array from column 0, time-shared with
+            # the others, so only the firmware's context limit refuses one (docs/emulator.md, Driver profiles S14).
+            start, num_col = 0, self.profile.columns
+        else:
+            start = self._place(num_col, op)
         injected = self.faults.next_create_hwctx_errno
         if injected is not None:
             self.faults.next_create_hwctx_errno = None
@@ -195,8 +200,12 @@ class ContextIoctls(DeviceState):
             if a["param_val_size"] > MAX_CONFIG_CU_SIZE:
                 raise fail(errno.E2BIG, op, f"param_val_size={a['param_val_size']} > {MAX_CONFIG_CU_SIZE}")
             data = usermem.read(a["param_val"], a["param_val_size"], op + " param_val")
-        elif param not in (ASSIGN_DBG_BUF, REMOVE_DBG_BUF) or self.profile.drm_minor < 3:
+        elif param not in (ASSIGN_DBG_BUF, REMOVE_DBG_BUF):
             raise fail(errno.EINVAL, op, "unknown param_type")
+        elif self.profile.drm_minor < 3:
+            # Before 0.3 the debug-buffer types reach the hardware layer, which has no case for them (S7).
+            raise fail(errno.EOPNOTSUPP, op, f"debug buffers need feature level 0.3 (this driver: "
+                                             f"0.{self.profile.drm_minor})")
         with self.lock:
             ctx = client.contexts.get(a["handle"])
             if ctx is None:

@@ -22,8 +22,10 @@ import errno
 import logging
 import operator
 import os
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
 
@@ -34,7 +36,7 @@ from .contexts import ContextIoctls
 from .firmware import Firmware, in_firmware_thread
 from .memory import AMDXDNA_INVALID_ADDR, DEV_HEAP_CHUNK, PAGE_SIZE, Bo, heap_allocator, page_align, release_backing
 from .objects import Client, HwCtx, Job, fail
-from .profiles import DEFAULT_PROFILE, PROFILES, Profile
+from .profiles import DEFAULT_PROFILE, Profile, resolve
 from .queries import POWER_MODE_DEFAULT, POWER_MODE_HIGH, POWER_MODE_TURBO, QueryIoctls
 from .state import Counters, Faults
 from .submit import WAIT_SLICE_S, SubmitIoctls
@@ -138,26 +140,28 @@ def _driver_table(profile: Profile) -> dict[int, IoctlDef]:
 class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
     """One emulated PCI NPU with the amdxdna driver bound (docs/design.md section 2)."""
 
-    def __init__(self, profile: str | Profile = DEFAULT_PROFILE, *, tdr_timeout: float = 2.0,
-                 cap_sys_admin: bool | None = None, **options: Any):
+    def __init__(self, profile: str | Profile = DEFAULT_PROFILE, *, cap_sys_admin: bool | None = None,
+                 time_scale: float = 1.0, **options: Any):
         """Bring up the device: driver state, then the firmware worker.
 
         Args:
-            profile: a name of PROFILES or a Profile.
-            tdr_timeout: seconds before a hung job is timed out (staging default 2 s, docs/uapi.md 6.7).
+            profile: a Profile, or a name ``<npu>[:<driver>][:coherent]`` (``npu1``, ``npu4:linux-6.18``; the
+                driver defaults to the newest mainline kernel modelled, docs/emulator.md "Driver profiles").
             cap_sys_admin: whether callers count as root for DRM_ROOT_ONLY ioctls (default: euid 0).
-            options: Profile field overrides, e.g. ``drm_minor=6``, ``wait_cmd=True``, ``expandable_heap=True``,
-                ``coherent=True`` (no device copy of buffers: SYNC_BO changes nothing), ``hwctx_entry_size=160``.
+            time_scale: the emulator's clock against the wall clock: every timeout the driver or firmware waits
+                out (TDR, DESTROY_HWCTX's grace) lasts `time_scale` times its modelled length, so a test sees a
+                60 s drm_sched timeout in 60 x time_scale seconds (messages give the modelled seconds).
+            options: Profile field overrides, e.g. ``tdr_timeout=2.0`` (seconds), ``drm_minor=10``,
+                ``wait_cmd=True``, ``expandable_heap=True``, ``coherent=True`` (no device copy of buffers: SYNC_BO
+                changes nothing), ``hwctx_entry_size=160``.
 
         Raises:
-            KeyError: unknown profile name.
-            TypeError: unknown option.
+            KeyError: unknown profile, NPU or driver name.
+            TypeError: unknown option, or a tdr_timeout / time_scale that is not a number.
             ValueError: dev_heap_max_size is not a positive multiple of 64 MiB, hwctx_entry_size is not 144 or 160,
-                or tdr_timeout is not > 0.
+                or tdr_timeout / time_scale is not > 0.
         """
-        if not isinstance(profile, Profile) and profile not in PROFILES:
-            raise KeyError(f"unknown emulator profile {profile!r} (profiles: {', '.join(PROFILES)})")
-        base = profile if isinstance(profile, Profile) else PROFILES[profile]
+        base = profile if isinstance(profile, Profile) else resolve(profile)
         # `options` are Any: each has its own Profile field's type (dataclasses.replace refuses an unknown name).
         self.profile = dataclasses.replace(base, **options) if options else base
         max_size = self.profile.dev_heap_max_size
@@ -185,11 +189,13 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         self.table = _driver_table(self.profile)
         self.counters = Counters(self)
         self.faults = Faults(self)
-        self.firmware = Firmware(self, tdr_timeout=tdr_timeout)
+        self.firmware = Firmware(self, tdr_timeout=self.profile.tdr_timeout, time_scale=time_scale)
         self.models = self.firmware.models
         self.closing = False            # close() started: blocked ioctls give up (ENODEV)
         self.closed = False
         self.failures: collections.deque[Failure] = collections.deque(maxlen=FAILURES_KEPT)
+        if self.profile.flush_on_close:
+            _watch_children(self)
 
     # --- why a command failed (docs/emulator.md, "Why a command failed") ---
 
@@ -274,6 +280,11 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         """Every live context of every fd (including ones being destroyed: they still hold columns)."""
         return [ctx for c in self.clients for ctx in (*c.contexts.values(), *c.closing)]
 
+    @property
+    def listed_contexts(self) -> list[HwCtx]:
+        """The contexts the driver's queries walk: those of the fds still on the device's client list."""
+        return [ctx for ctx in self.contexts if ctx.fd.listed]
+
     def current_clocks(self) -> tuple[int, int]:
         """(MP-NPU, H-clock) MHz at the current power mode: top DPM level unless DEFAULT."""
         levels = self.profile.dpm_clocks
@@ -336,8 +347,8 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
 
     # --- ioctl dispatch (docs/uapi.md 4.0) ---
 
-    def ioctl(self, client: Client, request: int, buf: Buffer) -> int:
-        """Dispatch one raw ioctl like drm_ioctl(); returns 0.
+    def ioctl(self, client: Client, request: int, buf: Buffer, descriptor_closed: bool = False) -> int:
+        """Dispatch one raw ioctl like drm_ioctl(); returns 0 (`descriptor_closed`: the caller's dup is closed).
 
         Raises:
             OSError: the driver's errno (ENOTTY, EINVAL, ENODEV, EACCES, EFAULT and per-ioctl errnos).
@@ -347,7 +358,7 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
         entry = self.table.get(nr) if type_byte == DRM_IOCTL_BASE else None
         op = entry.name if entry is not None else f"ioctl({request:#x})"
         with self.lock:
-            if client.closed:
+            if client.closed or descriptor_closed:
                 raise fail(errno.EBADF, op, "fd closed")
             client.users += 1
         try:
@@ -427,6 +438,51 @@ class EmuDevice(ContextIoctls, BoIoctls, SubmitIoctls, QueryIoctls):
                 return
         self._release_client(client)
 
+    def dup(self, client: Client) -> None:
+        """dup(2) of an fd of `client`: one more descriptor on the same open file.
+
+        Raises:
+            OSError: EBADF when the file is closed.
+        """
+        with self.lock:
+            if client.closed:
+                raise fail(errno.EBADF, "dup", "fd closed")
+            client.descriptors += 1
+
+    def close_descriptor(self, client: Client) -> None:
+        """close(2) of one descriptor of `client`'s open file: the last one releases the file (rule H14); any
+        other runs the driver's flush on profiles that have one (docs/emulator.md, The shared open file)."""
+        with self.lock:
+            client.descriptors -= 1
+            last = client.descriptors <= 0
+        if last:
+            self.close_client(client)
+        elif self.profile.flush_on_close:
+            self.flush_client(client, "a duplicate of the fd was closed")
+
+    def flush_client(self, client: Client, cause: str) -> None:
+        """amdxdna_flush (6.14-6.19): unlink the file from the device's client list and destroy every context
+        of it; the handles then answer EINVAL (docs/emulator.md, The shared open file)."""
+        with self.lock:
+            if client.closed:
+                return
+            client.listed = False
+            contexts = list(client.contexts.values())
+            if contexts:
+                client.flushes += 1
+        for ctx in contexts:
+            self.destroy_context(ctx)
+        if contexts:
+            log.info("%s: amdxdna_flush destroyed %d hardware context(s) of an fd: %s", self.profile.name,
+                     len(contexts), cause)
+
+    def flush_all(self, cause: str) -> None:
+        """Every open file of the device is closed once in a child process (a fork or a spawn)."""
+        with self.lock:
+            clients = [c for c in self.clients if not c.closed]
+        for client in clients:
+            self.flush_client(client, cause)
+
     def _put_client(self, client: Client) -> None:
         with self.lock:
             client.users -= 1
@@ -476,14 +532,28 @@ class EmuSeam:
         self.device = device
         self.client = client
         self.name = f"emu:{device.profile.name}"
+        self.closed = False                 # this descriptor (the open file may have others: dup)
 
     def ioctl(self, request: int, buf: Buffer) -> int:
         """Run a raw ioctl on this fd; results are written into `buf`.
 
         Raises:
-            OSError: the driver's errno.
+            OSError: the driver's errno (EBADF once this descriptor is closed).
         """
-        return self.device.ioctl(self.client, request, buf)
+        return self.device.ioctl(self.client, request, buf, self.closed)
+
+    def dup(self) -> EmuSeam:
+        """A new descriptor on the same open file, as dup(2): same handles, contexts and mappings. On the
+        6.14-6.19 profiles closing either while the other stays open destroys the file's contexts
+        (docs/emulator.md, The shared open file).
+
+        Raises:
+            OSError: EBADF when this descriptor is closed.
+        """
+        if self.closed:
+            raise fail(errno.EBADF, "dup", "this descriptor is closed")
+        self.device.dup(self.client)
+        return EmuSeam(self.device, self.client)
 
     def mmap(self, length: int, offset: int, addr: int = 0, *, private: bool = False) -> int:
         """Map the BO whose map_offset is `offset` (MAP_SHARED, MAP_FIXED when `addr` != 0).
@@ -512,7 +582,7 @@ class EmuSeam:
         dev, client = self.device, self.client
         if dev.lost:
             raise fail(errno.ENODEV, op, "device lost")
-        if client.closed:
+        if client.closed or self.closed:
             raise fail(errno.EBADF, op, "fd closed")
         bo = next((b for b in client.bos.values() if b.map_offset == offset and b.memfd >= 0), None)
         # rule B8: an offset of no BO of this fd (docs/driver-rules.md)
@@ -603,8 +673,12 @@ class EmuSeam:
         return self.device.command_reason(hwctx, seq, self)
 
     def close(self) -> None:
-        """Close the fd: every context of it is destroyed, its handles dropped (idempotent)."""
-        self.device.close_client(self.client)
+        """Close the fd (idempotent). The last descriptor of the open file destroys every context of it and drops
+        its handles; closing a duplicate does so only on the profiles with amdxdna_flush."""
+        if self.closed:
+            return
+        self.closed = True
+        self.device.close_descriptor(self.client)
 
     def __enter__(self) -> EmuSeam:
         return self
@@ -614,6 +688,41 @@ class EmuSeam:
 
 
 _MAP_NORESERVE = 0x4000
+
+# --- child processes (docs/emulator.md, The shared open file) ---
+# A child holds a copy of every descriptor and closes it (at exit, at exec for O_CLOEXEC, or by close_fds), which
+# runs the driver's flush once in the parent's open file. The emulator's files are not kernel files, so it sees
+# the child being made: the audit events of every way Python starts one (subprocess and os.posix_spawn run no
+# at-fork hook), and os.register_at_fork for a fork from C.
+_SPAWN_EVENTS = frozenset({"os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.posix_spawnp",
+                           "os.system"})
+_FLUSHING: weakref.WeakSet[EmuDevice] = weakref.WeakSet()
+_hooks_installed = False
+
+
+def _watch_children(device: EmuDevice) -> None:
+    global _hooks_installed
+    _FLUSHING.add(device)
+    if not _hooks_installed:
+        _hooks_installed = True
+        sys.addaudithook(_audit)
+        os.register_at_fork(after_in_parent=lambda: _child_made("fork"))
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event in _SPAWN_EVENTS:
+        _child_made(event)
+
+
+def _child_made(event: str) -> None:
+    # An exception here would fail the caller's fork or spawn: log it instead.
+    for device in list(_FLUSHING):
+        if device.closing:
+            continue
+        try:
+            device.flush_all(f"a child process ({event}) closed its copy")
+        except Exception:
+            log.exception("%s: flush after %s failed", device.profile.name, event)
 
 
 def _ints(op: str, **values: SupportsIndex) -> list[int]:

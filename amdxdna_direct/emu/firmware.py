@@ -276,19 +276,24 @@ class Firmware:
     `models` is the device's ModelRegistry; `inject` arms hang and error faults per stream.
     """
 
-    def __init__(self, device: DeviceCore, *, tdr_timeout: float = 2.0):
+    def __init__(self, device: DeviceCore, *, tdr_timeout: float = 2.0, time_scale: float = 1.0):
         """Firmware of `device` (an EmuDevice) with a TDR of `tdr_timeout` seconds; lanes start on demand.
 
+        `time_scale` scales every wait for a timeout against the wall clock (EmuDevice's test clock).
+
         Raises:
-            TypeError: the TDR timeout is not a number.
-            ValueError: a non-positive TDR timeout or a profile whose TXN generation is not positive.
+            TypeError: the TDR timeout or the time scale is not a number.
+            ValueError: a non-positive TDR timeout or time scale, or a profile whose TXN generation is not positive.
         """
-        if isinstance(tdr_timeout, bool) or not isinstance(tdr_timeout, (int, float)):
-            raise TypeError(f"tdr_timeout must be a number of seconds, got {type(tdr_timeout).__name__}")
-        if not tdr_timeout > 0:
-            raise ValueError(f"tdr_timeout must be > 0 seconds, got {tdr_timeout!r}")
+        for name, value in (("tdr_timeout", tdr_timeout), ("time_scale", time_scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number{' of seconds' * (name == 'tdr_timeout')}, "
+                                f"got {type(value).__name__}")
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0{' seconds' * (name == 'tdr_timeout')}, got {value!r}")
         self.device = device
         self.tdr_timeout = float(tdr_timeout)
+        self.time_scale = float(time_scale)
         self.models = ModelRegistry()
         self.dev_gen = _txn_dev_gen(device)
         self._lock = threading.Lock()
@@ -347,7 +352,7 @@ class Firmware:
         with self._lock:
             lane = self._lanes.pop(id(ctx), None)
         if lane is not None:
-            self._close_lane(lane, DESTROY_GRACE_S)
+            self._close_lane(lane, DESTROY_GRACE_S * self.time_scale)
 
     def stop(self) -> None:
         """End every lane at once (queued and running jobs ABORT) and stop the threads."""
@@ -489,16 +494,19 @@ class Firmware:
             # The app-health report GET_ARRAY HW_CONTEXT_ALL reads back; the emulated firmware has no program
             # counter or exception codes to give.
             job.ctx.health = {"txn_op_idx": outcome.txn_op_idx}
-        target = outcome.fill if outcome.fill is not None else self._fill_target(job)
-        if target is None:
-            return
-        # rule E12: the payload of a failed command (docs/driver-rules.md)
-        _fill_payload(target.mem)
-        if outcome.state == ERT_CMD_STATE_TIMEOUT:
-            _write_health(target.mem, outcome.txn_op_idx)
         # rule E11: error_index names the failed sub-command (docs/driver-rules.md)
         if outcome.error_index is not None:
             struct.pack_into("<I", job.cmd_bo.mem, CHAIN_ERROR_INDEX, outcome.error_index)
+        # rule E12: the 0xFF payload and the health record are the out-of-tree driver's (amdxdna_cmd_set_error);
+        # mainline up to 7.0 leaves the payload as it was (docs/emulator.md, Driver profiles).
+        if not job.device.profile.staging_reports:
+            return
+        target = outcome.fill if outcome.fill is not None else self._fill_target(job)
+        if target is None:
+            return
+        _fill_payload(target.mem)
+        if outcome.state == ERT_CMD_STATE_TIMEOUT:
+            _write_health(target.mem, outcome.txn_op_idx)
 
     def _fill_target(self, job: Job) -> Bo | None:
         """The BO whose payload a failure overwrites: a chain's first sub-command, else the command
@@ -707,7 +715,8 @@ class Firmware:
 
     def _watch(self, lane: _Lane, engine: _Engine, task: _Task) -> str:
         with lane.cond:
-            last, deadline = engine.cpu_time(), time.monotonic() + self.tdr_timeout
+            period = self.tdr_timeout * self.time_scale
+            last, deadline = engine.cpu_time(), time.monotonic() + period
             while not task.done:
                 if lane.closing and not task.abandoned:
                     task.abandon()
@@ -717,10 +726,10 @@ class Firmware:
                     continue
                 now = engine.cpu_time()
                 # rule E12: the TDR times out a job without progress (docs/driver-rules.md)
-                if now - last < self.tdr_timeout * PROGRESS_SHARE:
+                if now - last < period * PROGRESS_SHARE:
                     task.abandon()
                     return "closed" if lane.closing else "hung"
-                last, deadline = now, time.monotonic() + self.tdr_timeout
+                last, deadline = now, time.monotonic() + period
             return "closed" if task.abandoned else "done"
 
 

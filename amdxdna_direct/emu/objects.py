@@ -217,6 +217,9 @@ class Client:
         self.closing: list[HwCtx] = []          # contexts being destroyed (still own columns)
         self.last_ctx_handle = 0
         self.closed = False
+        self.descriptors = 1                    # fds sharing this open file (EmuSeam.dup)
+        self.listed = True                      # on the device's client list (amdxdna_flush unlinks it)
+        self.flushes = 0                        # amdxdna_flush runs that destroyed contexts of this file
         # ioctls running on this fd: each holds the file like fget() does, so the release that close
         # triggers runs when the last of them returns (fput), never under a call still using the fd.
         self.users = 0

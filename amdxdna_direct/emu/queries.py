@@ -37,7 +37,9 @@ class QueryIoctls(DeviceState):
 
     def _ioctl_version(self, client: Client, a: dict[str, int]) -> None:
         # rule D6: major 0, the feature level as minor; strings cut, full length reported (docs/driver-rules.md)
-        a.update(version_major=0, version_minor=self.profile.drm_minor, version_patchlevel=0)
+        prof = self.profile
+        minor = prof.drm_minor if prof.reported_minor is None else prof.reported_minor
+        a.update(version_major=prof.version_major, version_minor=minor, version_patchlevel=0)
         for key, value in (("name", DRIVER_NAME), ("date", DRIVER_DATE), ("desc", DRIVER_DESC)):
             data = value.encode()
             length = min(len(data), a[key + "_len"])        # drm_copy_field: truncate, report full length
@@ -115,13 +117,17 @@ class QueryIoctls(DeviceState):
         raise fail(errno.EOPNOTSUPP, op, "no sensors on AIE2 (7.0; PMF unavailable)")
 
     def _info_hw_contexts(self, a: dict[str, int], op: str) -> None:
-        # rule I4: every context (docs/driver-rules.md)
+        # rule I4: every context of the fds on the device list; `errors` is never set by any driver version
+        # (docs/emulator.md, Driver profiles S15)
         entries = b"".join(L.query_hwctx.pack({
             "context_id": ctx.handle, "start_col": ctx.start_col, "num_col": ctx.num_col, "pid": ctx.pid,
             "command_submissions": ctx.stats["submissions"], "command_completions": ctx.stats["completions"],
-            "errors": ctx.stats["errors"]}) for ctx in self.contexts)
+            "errors": 0}) for ctx in self.listed_contexts)
         if len(entries) > a["buffer_size"]:
-            raise fail(errno.EINVAL, op, f"{len(entries)} bytes of contexts do not fit {a['buffer_size']}")
+            if self.profile.drm_minor < 1:
+                raise fail(errno.EINVAL, op, f"{len(entries)} bytes of contexts do not fit {a['buffer_size']}")
+            # From 0.1 the walk stops at the first entry that does not fit and answers 0 (S4).
+            entries = entries[:a["buffer_size"] - a["buffer_size"] % L.query_hwctx.size]
         usermem.write(a["buffer"], entries, op + " buffer")
         # Since 6.18 the returned size is what is left of the input (docs/uapi.md 10 quirk); before, bytes written.
         a["buffer_size"] = a["buffer_size"] - len(entries) if self.profile.drm_minor >= 1 else len(entries)
@@ -182,22 +188,23 @@ class QueryIoctls(DeviceState):
         layout = L.hwctx_entry_oot if self.profile.hwctx_entry_size == L.hwctx_entry_oot.size else L.hwctx_entry
         size = min(a["element_size"], layout.size)
         capacity = a["num_element"] * a["element_size"] // size
-        entries = [self._hwctx_entry(layout, ctx)[:size] for ctx in self.contexts[:capacity]]
+        entries = [self._hwctx_entry(layout, ctx)[:size] for ctx in self.listed_contexts[:capacity]]
         usermem.write(a["buffer"], b"".join(entries), op + " buffer")
         a["element_size"], a["num_element"] = size, len(entries)
 
     def _hwctx_entry(self, layout: L.Layout, ctx: HwCtx) -> bytes:
-        """One amdxdna_drm_hwctx_entry: the context, its fd's heap use, QoS, counters and the firmware's last
-        health record of it (docs/emulator.md, HW_CONTEXT_ALL)."""
-        qos = ctx.qos
+        """One amdxdna_drm_hwctx_entry: the context, QoS as given (raw priority), counters; out of tree also the
+        firmware context id, its fd's heap use and the firmware's last health record of it (docs/emulator.md,
+        HW_CONTEXT_ALL; mainline leaves those 0, S19). `errors` is 0 on every version (S15)."""
+        qos, staging = ctx.qos, self.profile.staging_reports
+        heap_usage = sum(bo.size for bo in ctx.fd.memory.dev_bos.values()) if staging else 0
         return layout.pack({
-            "context_id": ctx.handle, "start_col": ctx.start_col, "num_col": ctx.num_col, "hwctx_id": ctx.fw_id,
-            "pid": ctx.pid, "command_submissions": ctx.stats["submissions"],
-            "command_completions": ctx.stats["completions"], "errors": ctx.stats["errors"],
-            "priority": ctx.priority, "heap_usage": sum(bo.size for bo in ctx.fd.memory.dev_bos.values()),
-            "state": AMDXDNA_HWCTX_STATE_ACTIVE, "pasid": ctx.fd.pasid, "gops": qos["gops"], "fps": qos["fps"],
-            "dma_bandwidth": qos["dma_bandwidth"], "latency": qos["latency"],
-            "frame_exec_time": qos["frame_exec_time"], **ctx.health, "name": ctx.fd.comm})
+            "context_id": ctx.handle, "start_col": ctx.start_col, "num_col": ctx.num_col,
+            "hwctx_id": ctx.fw_id if staging else 0, "pid": ctx.pid, "command_submissions": ctx.stats["submissions"],
+            "command_completions": ctx.stats["completions"], "errors": 0, "priority": qos["priority"],
+            "heap_usage": heap_usage, "state": AMDXDNA_HWCTX_STATE_ACTIVE, "pasid": ctx.fd.pasid, "gops": qos["gops"],
+            "fps": qos["fps"], "dma_bandwidth": qos["dma_bandwidth"], "latency": qos["latency"],
+            "frame_exec_time": qos["frame_exec_time"], **(ctx.health if staging else {}), "name": ctx.fd.comm})
 
     def _array_async_err(self, client: Client, a: dict[str, int], op: str) -> None:
         usermem.write(a["buffer"], L.async_error.pack(self.last_async_error), op + " buffer")
