@@ -348,6 +348,17 @@ def image_line(name: str, lines: list[dict[str, Any]]) -> str:
     return f"{name}: " + ", ".join(f"{json.dumps(x['prompt'])} {len(x['instances'])}" for x in lines) + " instance(s)"
 
 
+def _same_ids(kept: list[dict[str, Any]], names: list[str], ids: list[int], jsonl: Path | None) -> None:
+    """Refuses to give a new image an id that a kept line gives another image (inputs that differ from the run
+    being resumed would mix two images under one COCO id)."""
+    taken = {x.get("image_id"): x["image"] for x in kept}
+    for name, image_id in zip(names, ids, strict=True):
+        other = taken.get(image_id, name)
+        if other != name:
+            raise ValueError(f"--resume: image id {image_id} of {name} is {other}'s in {jsonl}: resume with the same "
+                             "inputs, or write a new file")
+
+
 def run(sam: Sam3, paths: Sequence[Path], prompts: Sequence[str], *, jsonl: Path | None = None,
         coco: Path | None = None, out: Path | None = None, resume: bool = False, threshold: float = 0.5,
         mask_threshold: float = 0.5, progress: IO[str] | None = None,
@@ -367,6 +378,7 @@ def run(sam: Sam3, paths: Sequence[Path], prompts: Sequence[str], *, jsonl: Path
     names = [str(p) for p in paths]
     ids = image_ids(paths)
     todo = [k for k, n in enumerate(names) if n not in done]
+    _same_ids(kept, [names[k] for k in todo], [ids[k] for k in todo], jsonl)
     summary = Summary(len(paths), skipped=len(paths) - len(todo))
     stems = overlay_names(paths, ids)
     bar = Progress(len(todo), progress or io.StringIO(), progress is not None)
