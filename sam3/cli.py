@@ -48,10 +48,14 @@ def parser() -> argparse.ArgumentParser:
                                          "(or the emulator), reading IRON's kernel bundles.")
     p.add_argument("--version", action="version", version=f"sam3 (amdxdna-direct) {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=UsageParser)
-    d = sub.add_parser("demo", help="the image encoder of a generated bundle on the NPU, checked against numpy",
-                       description="Runs the ViT (host and device-resident paths), the neck and the DETR encoder "
-                                   "of generated random-weight bundles through the NPU layer on the emulator (or "
-                                   "the NPU with --bundle), each stage checked against numpy float32.")
+    d = sub.add_parser("demo", help="the whole pipeline on a generated bundle: stages checked, an image segmented",
+                       description="Runs the whole SAM3 pipeline through the NPU layer on the emulator (or the NPU "
+                                   "with --bundle): first the ViT (host and device-resident paths), the neck and the "
+                                   "DETR encoder of generated random-weight bundles, each stage checked against "
+                                   "numpy float32; then the bundle's reference image and prompt from pixels to "
+                                   "instances (text encoder, DETR decoder, mask decoder, post-processing), drawn "
+                                   "into an overlay enlarged to at least 512 px with each instance's score (with "
+                                   "random weights no instance passes 0.5: the best 3 queries are drawn).")
     d.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU when a compiled --bundle "
                                     "is given and an NPU is present, else the emulator)")
     d.add_argument("--bundle", help="run the stages of this bundle directory instead of generated ones")
@@ -61,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--no-chains", action="store_true", help="dispatch chunk by chunk, as the reference (SAM3_CHAINS=0)")
     d.add_argument("--seed", type=int, default=0, help="seed of the generated weights and inputs")
     d.add_argument("-o", "--overlay", default="overlay.png",
-                   help="where the whole pipeline's overlay goes (default overlay.png; '' for none)")
+                   help="where the overlay goes: the instances and their scores on the reference image, "
+                        "enlarged (default overlay.png; '' for none)")
     d.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     b = sub.add_parser("bundle", help="summarise a bundle: params, xclbins, kernels, tensors, problems",
                        description="Reads a bundle (manifest.txt, tensors.txt, tensors.bin) and lists what its files "
