@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -207,33 +208,41 @@ class Outputs:
 
     def __init__(self, jsonl: Path | None, coco: Path | None, out: Path | None, kept: list[dict[str, Any]]):
         self._files: list[IO[str]] = []
-        self.jsonl = self._open(jsonl)
-        self.coco = self._open(coco)
+        self.jsonl: IO[str] | None = None
+        self.coco: IO[str] | None = None
         self._entries = 0
         self.out = out
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-        if self.coco is not None:
-            self.coco.write("[")
-        self.write(kept)
+        try:
+            if jsonl is not None:
+                self.jsonl = self._open(_rewritten(jsonl, kept), "a")
+            if coco is not None:
+                self.coco = self._open(coco, "w")
+                self.coco.write("[")
+                self._coco(kept)
+        except BaseException:
+            self.close()
+            raise
 
-    def _open(self, path: Path | None) -> IO[str] | None:
-        if path is None:
-            return None
-        f = open(path, "w", encoding="utf-8")  # noqa: SIM115  (closed by close())
+    def _open(self, path: Path, mode: str) -> IO[str]:
+        f = open(path, mode, encoding="utf-8")  # noqa: SIM115  (closed by close())
         self._files.append(f)
         return f
 
-    def write(self, lines: list[dict[str, Any]]) -> None:
-        """Appends JSON lines (and their COCO entries)."""
-        if self.jsonl is not None:
-            self.jsonl.write("".join(json.dumps(x, allow_nan=False) + "\n" for x in lines))
-            self.jsonl.flush()
+    def _coco(self, lines: list[dict[str, Any]]) -> None:
         if self.coco is not None:
             for entry in (e for x in lines for e in coco_results(x)):
                 self.coco.write(("\n" if self._entries == 0 else ",\n") + json.dumps(entry, allow_nan=False))
                 self._entries += 1
             self.coco.flush()
+
+    def write(self, lines: list[dict[str, Any]]) -> None:
+        """Appends JSON lines (and their COCO entries)."""
+        if self.jsonl is not None:
+            self.jsonl.write(_lines(lines))
+            self.jsonl.flush()
+        self._coco(lines)
 
     def overlay(self, item: ImageResult, name: str) -> Path | None:
         """Writes the image's overlay (every prompt's instances) as `<out>/<name>.png`."""
@@ -247,6 +256,18 @@ class Outputs:
             self.coco.write("\n]\n")
         for f in self._files:
             f.close()
+
+
+def _lines(docs: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(x, allow_nan=False) + "\n" for x in docs)
+
+
+def _rewritten(path: Path, kept: list[dict[str, Any]]) -> Path:
+    """`path` holding exactly the `kept` lines, replaced in one rename (a kill meanwhile leaves the old file)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(_lines(kept), encoding="utf-8")
+    os.replace(part, path)
+    return path
 
 
 def overlay_names(paths: Sequence[Path], ids: Sequence[int]) -> list[str]:
@@ -359,48 +380,62 @@ def _same_ids(kept: list[dict[str, Any]], names: list[str], ids: list[int], json
                              "inputs, or write a new file")
 
 
-def run(sam: Sam3, paths: Sequence[Path], prompts: Sequence[str], *, jsonl: Path | None = None,
-        coco: Path | None = None, out: Path | None = None, resume: bool = False, threshold: float = 0.5,
-        mask_threshold: float = 0.5, progress: IO[str] | None = None,
-        say: Callable[[str], None] = lambda line: None) -> Summary:
-    """Segments `paths` with `prompts`, writing the outputs as each image finishes; `say` gets each image's line;
-    with `progress` (a terminal) the bar is drawn there.
-    Ctrl-C ends it early: what was finished stays written, the files are closed, the summary says so.
+@dataclass
+class Plan:
+    """What a run does: every input's name (its path as given), COCO id and overlay name; the positions of the
+    images to segment; the lines kept from the file being resumed."""
+
+    names: list[str]
+    ids: list[int]
+    stems: list[str]
+    todo: list[int]
+    kept: list[dict[str, Any]]
+
+
+def plan(paths: Sequence[Path], prompts: Sequence[str], jsonl: Path | None, resume: bool) -> Plan:
+    """The run's plan; with `resume`, the images `jsonl` has done for every prompt left out (docs/sam3-segment.md
+    9.1).
 
     Raises:
-        ValueError: `resume` without `jsonl`, or no prompts. TokenizerError, PostError: as `segment_many`.
-        OSError: an output cannot be written. NpuError: a kernel failed.
+        ValueError: `resume` without `jsonl`, or a new image given an id a kept line gives another image.
     """
     if resume and jsonl is None:
         raise ValueError("--resume needs --jsonl FILE: the results it reads back")
     kept = read_done(jsonl, prompts) if resume and jsonl is not None and jsonl.exists() else []
     done = {x["image"] for x in kept}
-    names = [str(p) for p in paths]
-    ids = image_ids(paths)
+    names, ids = [str(p) for p in paths], image_ids(paths)
     todo = [k for k, n in enumerate(names) if n not in done]
     _same_ids(kept, [names[k] for k in todo], [ids[k] for k in todo], jsonl)
-    summary = Summary(len(paths), skipped=len(paths) - len(todo))
-    stems = overlay_names(paths, ids)
-    bar = Progress(len(todo), progress or io.StringIO(), progress is not None)
+    return Plan(names, ids, overlay_names(paths, ids), todo, kept)
+
+
+def run(sam: Sam3, paths: Sequence[Path], prompts: Sequence[str], *, jsonl: Path | None = None,
+        coco: Path | None = None, out: Path | None = None, resume: bool = False, threshold: float = 0.5,
+        mask_threshold: float = 0.5, progress: IO[str] | None = None,
+        say: Callable[[str], None] = lambda line: None) -> Summary:
+    """Segments `paths` with `prompts`, writing the outputs as each image finishes; `say` gets each image's line;
+    with `progress` (a terminal) the bar is drawn there. Ctrl-C ends it early: what was finished stays written,
+    the files are closed, the summary says so.
+
+    Raises:
+        ValueError: as `plan`, or no prompts. TokenizerError, PostError: as `segment_many`.
+        OSError: an output cannot be written. NpuError: a kernel failed.
+    """
+    p = plan(paths, prompts, jsonl, resume)
+    summary = Summary(len(paths), skipped=len(paths) - len(p.todo))
+    bar = Progress(len(p.todo), progress or io.StringIO(), progress is not None)
     loads, evictions = sam.npu.loads, sam.npu.evictions
     start = time.perf_counter()
-    items = segment_many(sam, (paths[k] for k in todo), prompts, threshold, mask_threshold)
-    outputs = Outputs(jsonl, coco, out, kept)
+    items = segment_many(sam, (paths[k] for k in p.todo), prompts, threshold, mask_threshold)
+    outputs = Outputs(jsonl, coco, out, p.kept)
     try:
         for item in items:
-            k = todo[item.index]
-            lines = records(item, names[k], ids[k])
-            written = outputs.overlay(item, stems[k])
-            if written is not None:
-                for x in lines:
-                    x["overlay"] = str(written)
-            outputs.write(lines)
-            if item.ok:
-                summary.done += 1
-            else:
-                summary.failed.append((names[k], str(item.error)))
+            k = p.todo[item.index]
+            lines = _written(item, p.names[k], p.ids[k], p.stems[k], outputs)
+            summary.done += item.ok
+            summary.failed += [] if item.ok else [(p.names[k], str(item.error))]
             bar.clear()
-            say(image_line(names[k], lines))
+            say(image_line(p.names[k], lines))
             bar.step(item.ok)
     except KeyboardInterrupt:
         summary.interrupted = True
@@ -410,3 +445,13 @@ def run(sam: Sam3, paths: Sequence[Path], prompts: Sequence[str], *, jsonl: Path
         summary.seconds = time.perf_counter() - start
         summary.loads, summary.evictions = sam.npu.loads - loads, sam.npu.evictions - evictions
     return summary
+
+
+def _written(item: ImageResult, name: str, image_id: int, stem: str, outputs: Outputs) -> list[dict[str, Any]]:
+    """One image's overlay and lines written; returns the lines."""
+    lines = records(item, name, image_id)
+    overlay = outputs.overlay(item, stem)
+    for x in lines if overlay is not None else []:
+        x["overlay"] = str(overlay)
+    outputs.write(lines)
+    return lines
