@@ -161,12 +161,24 @@ def segment_reference_image(root: Path, dev: Device, timeout: float, overlay: st
     if overlay:
         picture, labels, scale = large_overlay(result.rgb, shown)
         out = Path(overlay)
-        try:
-            Image.fromarray(picture).save(out)  # the format by the extension
-        except ValueError as e:  # Pillow's "unknown file extension"
-            raise ValueError(f"overlay {out}: {e} (use .png, .jpg, ...)") from e
+        Image.fromarray(picture).save(out, format=overlay_format(out))
         doc.update(overlay=str(out), overlay_size=[picture.shape[1], picture.shape[0]], scale=scale, labels=labels)
     return doc
+
+
+def overlay_format(path: str | os.PathLike[str]) -> str:
+    """The Pillow format that writes `path`'s extension.
+
+    Raises:
+        ValueError: no format writes it.
+    """
+    from PIL import Image
+
+    ext = Path(path).suffix.lower()
+    fmt = Image.registered_extensions().get(ext)
+    if fmt is None or fmt not in Image.SAVE:
+        raise ValueError(f"overlay {path}: no image format writes extension {ext or '(none)'!r} (use .png, .jpg, ...)")
+    return fmt
 
 
 def subset(found: Any, keep: np.ndarray) -> Any:
@@ -228,7 +240,10 @@ def run_demo(device: Any = None, bundle: str | os.PathLike[str] | None = None, *
         BundleError: a bundle is invalid.
         NpuError: a kernel failed to load or run, or the bundle lacks what a stage needs.
         XdnaError: the device could not be opened.
+        ValueError: no image format writes the overlay's extension.
     """
+    if overlay:
+        overlay_format(overlay)  # before any work
     dev = choose_device(device, bundle, say)
     stages: list[dict[str, Any]] = []
     totals = {"loads": 0, "evictions": 0}

@@ -96,6 +96,12 @@ def test_demo_overlay_can_be_turned_off(capsys, tmp_path):
     assert code == 0 and json.loads(out)["segment"]["overlay"] is None and not (tmp_path / "overlay.png").exists()
 
 
+def test_an_overlay_no_format_writes_is_refused_before_any_work(capsys):
+    code, out, err = run(capsys, "demo", "--device", "emu", "-o", "overlay.xyz")
+    assert code == 1 and out == ""
+    assert err == "sam3 demo: overlay overlay.xyz: no image format writes extension '.xyz' (use .png, .jpg, ...)\n"
+
+
 def test_two_contexts_still_pass_with_evictions(capsys, monkeypatch):
     monkeypatch.setenv("SAM3_MAX_CONTEXTS", "2")
     code, out, _ = run(capsys, "demo", "--device", "emu", "--json")
