@@ -229,6 +229,40 @@ def test_ctrl_c_keeps_what_is_done_and_exits_130(root, folder, tmp_path, capsys,
     assert code == 1 and len(forwards) == 1 and "1 segmented, 1 failed, 1 skipped as done" in out
 
 
+def test_a_real_sigint_flushes_and_exits_130(root, folder, tmp_path):
+    """SIGINT to a running `sam3 segment` (60 copies of an image: it is still running when the first line shows):
+    every line written parses, the COCO array is closed, exit 130; --resume then does only the rest."""
+    import signal
+    import time
+
+    many_dir = tmp_path / "copies"
+    many_dir.mkdir()
+    for n in range(60):
+        shutil.copy(folder / "shapes.png", many_dir / f"s{n:03d}.png")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "sam3", *map(str, many_argv(root, many_dir, prompts=["cat"])), "--jsonl",
+            str(tmp_path / "r.jsonl"), "--coco", str(tmp_path / "r.json"), "--quiet"]
+    # SIGINT as a terminal's Ctrl-C delivers it, even when this test runs where it is ignored (a background job)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "r.jsonl").exists() or not (tmp_path / "r.jsonl").stat().st_size:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert err.splitlines()[-1] == "sam3 segment: interrupted" and "; interrupted" in out
+    records = read_jsonl(tmp_path / "r.jsonl")
+    assert 1 <= len(records) < 60 and all(r["ok"] for r in records)
+    assert len(json.loads((tmp_path / "r.json").read_text())) == sum(len(r["instances"]) for r in records)
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"{60 - len(records)} segmented, 0 failed, {len(records)} skipped as done" in done.stdout
+    assert sorted(r["image"] for r in read_jsonl(tmp_path / "r.jsonl")) == sorted(
+        str(p) for p in many_dir.iterdir())
+
+
 def _segment_process(root, folder, tmp_path, *extra, stderr_tty):
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100"}
     argv = [sys.executable, "-m", "sam3", *map(str, many_argv(root, folder)), "--jsonl", str(tmp_path / "p.jsonl"),
