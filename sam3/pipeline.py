@@ -4,6 +4,8 @@
     with Sam3("bundle/", device="emu") as sam:
         found = sam.segment("cats.jpg", "cat", threshold=0.5)
         found.scores, found.boxes, found.masks        # numpy, in query order
+        for item in sam.segment_many(["a.jpg", "b.png"], ["cat", "dog"]):   # one ImageResult per image
+            item.ok, item.error, [r.instances for r in item.results]
 
 The image side (preprocess, ViT, neck) runs once per image and is reused by every prompt on it; the prompt side
 (tokenizer, text encoder, DETR encoder and decoder, mask decoder, post-processing) runs per prompt. With a
@@ -267,7 +269,7 @@ class Sam3:
         result.loads, result.evictions = self.npu.loads - loads, self.npu.evictions - evictions
         return result
 
-    def segment_many(self, images: Iterable[Any], prompts: Sequence[str], threshold: float = 0.5,
+    def segment_many(self, images: Iterable[Any], prompts: Sequence[str] | str, threshold: float = 0.5,
                      mask_threshold: float = 0.5) -> Iterator[many.ImageResult]:
         """Every prompt on every image, one `many.ImageResult` per image in order, the bundle's contexts kept
         loaded throughout (docs/sam3-segment.md 9). The prompts are encoded once, before the first image. An
