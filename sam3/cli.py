@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from amdxdna_direct.cli import guarded, one_line
@@ -47,10 +48,14 @@ def parser() -> argparse.ArgumentParser:
                                          "(or the emulator), reading IRON's kernel bundles.")
     p.add_argument("--version", action="version", version=f"sam3 (amdxdna-direct) {_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=UsageParser)
-    d = sub.add_parser("demo", help="the image encoder of a generated bundle on the NPU, checked against numpy",
-                       description="Runs the ViT (host and device-resident paths), the neck and the DETR encoder "
-                                   "of generated random-weight bundles through the NPU layer on the emulator (or "
-                                   "the NPU with --bundle), each stage checked against numpy float32.")
+    d = sub.add_parser("demo", help="the whole pipeline on a generated bundle: stages checked, an image segmented",
+                       description="Runs the whole SAM3 pipeline through the NPU layer on the emulator (or the NPU "
+                                   "with --bundle): first the ViT (host and device-resident paths), the neck and the "
+                                   "DETR encoder of generated random-weight bundles, each stage checked against "
+                                   "numpy float32; then the bundle's reference image and prompt from pixels to "
+                                   "instances (text encoder, DETR decoder, mask decoder, post-processing), drawn "
+                                   "into an overlay enlarged to at least 512 px with each instance's score (with "
+                                   "random weights no instance passes 0.5: the best 3 queries are drawn).")
     d.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU when a compiled --bundle "
                                     "is given and an NPU is present, else the emulator)")
     d.add_argument("--bundle", help="run the stages of this bundle directory instead of generated ones")
@@ -60,26 +65,41 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--no-chains", action="store_true", help="dispatch chunk by chunk, as the reference (SAM3_CHAINS=0)")
     d.add_argument("--seed", type=int, default=0, help="seed of the generated weights and inputs")
     d.add_argument("-o", "--overlay", default="overlay.png",
-                   help="where the whole pipeline's overlay goes (default overlay.png; '' for none)")
+                   help="where the overlay goes: the instances and their scores on the reference image, "
+                        "enlarged (default overlay.png; '' for none)")
     d.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     b = sub.add_parser("bundle", help="summarise a bundle: params, xclbins, kernels, tensors, problems",
                        description="Reads a bundle (manifest.txt, tensors.txt, tensors.bin) and lists what its files "
                                    "say, as `amdxdna xclbin` does for an xclbin. Exit 1 when a problem is found.")
     b.add_argument("bundle", help="the bundle directory, or owner/name[@revision] in the Hugging Face cache")
     b.add_argument("--json", action="store_true", help="print the summary as one JSON document")
-    s = sub.add_parser("segment", help="every instance of a text prompt in an image: score, box, mask",
-                       description="Segments IMAGE for each PROMPT (several prompts reuse the image's encoder "
-                                   "outputs) and prints the instances in query order, per-stage and per-kernel "
-                                   "times, contexts loaded and evicted.")
+    s = sub.add_parser("segment", help="every instance of text prompts in one image or many: score, box, mask",
+                       usage="sam3 segment BUNDLE IMAGE PROMPT [PROMPT ...] [options]\n"
+                             "       sam3 segment BUNDLE IMAGES... --prompt P [--prompt Q ...] [--jsonl FILE] "
+                             "[--coco FILE] [--out DIR] [--resume] [--quiet] [options]",
+                       description="One image: segments IMAGE for each PROMPT (several prompts reuse the image's "
+                                   "encoder outputs) and prints the instances in query order, per-stage and "
+                                   "per-kernel times, contexts loaded and evicted. Many images (the form with "
+                                   "--prompt): IMAGES are files, directories (their .jpg/.jpeg/.png) and glob "
+                                   "patterns, run with the bundle opened once; results are written as each image "
+                                   "finishes, a progress bar shows on a terminal, an image that fails is reported "
+                                   "and the run goes on (exit 1 at the end).")
     s.add_argument("bundle", help="the bundle directory, or owner/name[@revision] in the Hugging Face cache")
-    s.add_argument("image", help="a JPEG or PNG image")
-    s.add_argument("prompt", nargs="+", help="the text prompt(s)")
+    s.add_argument("inputs", nargs="+", metavar="IMAGE_OR_PROMPT",
+                   help="without --prompt: the image, then its prompt(s); with --prompt: the images")
+    s.add_argument("--prompt", action="append", metavar="P", help="a text prompt (repeat for more): the many-image "
+                                                                  "form, every positional after BUNDLE an image")
     s.add_argument("-o", "--output", help="write an overlay image (masks blended, boxes drawn); format by extension")
     s.add_argument("--threshold", type=float, default=0.5, help="keep instances scoring above this (default 0.5)")
     s.add_argument("--mask-threshold", type=float, default=0.5, help="mask probability cut (default 0.5)")
     s.add_argument("--reps", type=int, default=1, help="forwards per prompt, each timed (default 1)")
     s.add_argument("--device", help="emu, emu:<profile> or /dev/accel/N (default: the NPU, else the emulator)")
     s.add_argument("--json", action="store_true", help="one JSON document; masks as run-length encodings")
+    s.add_argument("--jsonl", metavar="FILE", help="many images: one JSON line per image and prompt, as they finish")
+    s.add_argument("--coco", metavar="FILE", help="many images: the instances as COCO results (RLE masks)")
+    s.add_argument("--out", metavar="DIR", help="many images: one overlay per image, DIR/<name>.png")
+    s.add_argument("--resume", action="store_true", help="many images: skip the images the --jsonl file has done")
+    s.add_argument("-q", "--quiet", action="store_true", help="many images: no progress bar, no per-image lines")
     dl = sub.add_parser("download", help="fetch a bundle from the Hugging Face Hub into its cache",
                         description="Fetches the repository OWNER/NAME with huggingface_hub (the hub extra) into the "
                                     "Hugging Face cache and prints its snapshot directory; bundle arguments then "
@@ -115,17 +135,43 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if doc["ok"] else 1
 
 
-def _segment(args: argparse.Namespace) -> int:
-    from sam3 import post
-    from sam3.pipeline import Sam3
+_MANY_ONLY = ("jsonl", "coco", "out", "resume", "quiet")
 
-    if args.reps < 1:
-        raise ValueError(f"--reps must be at least 1, got {args.reps}")
-    # The tokenizer frames an empty prompt as the reference does; on the command line it is a mistake
-    # (docs/sam3-host.md 4.3). split_fields splits on the White_Space the tokenizer drops.
-    blank = next((p for p in args.prompt if not split_fields(p)), None)
+
+def _usage(message: str) -> NoReturn:
+    """A usage error found after parsing: one line, exit 2 (as the parser's own)."""
+    sys.stderr.write(f"sam3 segment: {message}\n")
+    raise SystemExit(2)
+
+
+def _refuse_blank(prompts: Sequence[str]) -> None:
+    """The tokenizer frames an empty prompt as the reference does; on the command line it is a mistake
+    (docs/sam3-host.md 4.3). split_fields splits on the White_Space the tokenizer drops.
+
+    Raises:
+        ValueError: a prompt with no characters but white space, before the bundle is opened.
+    """
+    blank = next((p for p in prompts if not split_fields(p)), None)
     if blank is not None:
         raise ValueError(f"prompt {blank!r} is empty: nothing to segment")
+
+
+def _segment(args: argparse.Namespace) -> int:
+    from sam3 import many, post
+    from sam3.pipeline import Sam3
+
+    if args.prompt:
+        _refuse_blank(args.prompt)
+        return _segment_many(args)
+    given = [f"--{o}" for o in _MANY_ONLY if getattr(args, o)]
+    if given:
+        _usage(f"{', '.join(given)}: only in the many-image form, BUNDLE IMAGES... --prompt P")
+    if len(args.inputs) < 2:
+        _usage("give an image and its prompt(s), BUNDLE IMAGE PROMPT..., or images and --prompt P")
+    args.image, prompts = args.inputs[0], args.inputs[1:]
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    _refuse_blank(prompts)
     start = time.perf_counter()
     device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
     try:
@@ -139,7 +185,7 @@ def _segment(args: argparse.Namespace) -> int:
                                    "image": str(args.image), "device": device.name, "load_seconds": loaded,
                                    "prompts": []}
             results = []
-            for prompt in args.prompt:
+            for prompt in prompts:
                 forwards = []
                 for rep in range(args.reps):
                     begin = time.perf_counter()
@@ -151,7 +197,7 @@ def _segment(args: argparse.Namespace) -> int:
                         print(f"forward {rep}: {ms:.0f} ms ({result.timing.line()}; contexts loaded {result.loads}, "
                               f"evicted {result.evictions})")
                 found = result.instances
-                results.append(found)
+                results.append(result)
                 if not args.json:
                     print(f"{json.dumps(prompt)}: {len(found)} instance(s)")
                     print("\n".join(found.lines())) if len(found) else None
@@ -161,7 +207,7 @@ def _segment(args: argparse.Namespace) -> int:
                     for q, sc, box, area, m in zip(found.queries, found.scores, found.boxes, found.areas(),
                                                    found.masks, strict=True)]})
             if args.output:
-                path = post.write_overlay(args.output, result.rgb, _merge(results))
+                path = post.write_overlay(args.output, result.rgb, many.merge(results))
                 doc["overlay"] = str(path)
                 if not args.json:
                     print(f"wrote {path}")
@@ -172,16 +218,55 @@ def _segment(args: argparse.Namespace) -> int:
     return 0
 
 
-def _merge(results: list[Any]) -> Any:
-    """All prompts' instances as one set, for one overlay."""
-    import numpy as np
+def _segment_many(args: argparse.Namespace) -> int:
+    """`sam3 segment BUNDLE IMAGES... --prompt P ...` (docs/sam3-cli.md): the bundle opened once, `many.run`."""
+    from sam3 import many
+    from sam3.pipeline import Sam3
 
-    from sam3.post import Instances
+    if args.output:
+        _usage("-o/--output is the one-image form's: with --prompt, write overlays with --out DIR")
+    if args.reps != 1:
+        _usage("--reps is the one-image form's")
+    if args.resume and not args.jsonl:
+        _usage("--resume needs --jsonl FILE: the results it reads back")
+    paths = many.expand(args.inputs)
+    chatty = not (args.quiet or args.json)
+    start = time.perf_counter()
+    device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
+    try:
+        timeout = demo_mod.EMULATOR_TIMEOUT if device.emulator is not None else DEFAULT_TIMEOUT
+        with Sam3(args.bundle, device, timeout=timeout) as sam:
+            loaded = time.perf_counter() - start
+            if chatty:
+                where = "emulator" if device.emulator is not None else "NPU"
+                print(f"loaded {args.bundle} ({loaded:.1f} s); mode npu on {where} ({device.name}); "
+                      f"{len(paths)} image(s), {len(args.prompt)} prompt(s)")
+            bar = sys.stderr if chatty and sys.stderr.isatty() else None
+            summary = many.run(sam, paths, args.prompt, jsonl=_path(args.jsonl), coco=_path(args.coco),
+                               out=_path(args.out), resume=args.resume, threshold=args.threshold,
+                               mask_threshold=args.mask_threshold, progress=bar, say=print if chatty else _silent)
+    finally:
+        device.close()
+    if args.json:
+        print(json.dumps({"schema": SCHEMA, "command": "segment", "bundle": str(args.bundle), "device": device.name,
+                          "load_seconds": loaded, "prompts": args.prompt, "jsonl": args.jsonl, "coco": args.coco,
+                          "out": args.out, **summary.as_dict(), "ok": not summary.failed}, allow_nan=False))
+    else:
+        print("\n".join(summary.lines()))
+    if summary.interrupted:
+        raise KeyboardInterrupt  # what was done is written: guarded() says "interrupted" and exits 130
+    if summary.failed:
+        print(f"sam3 segment: {len(summary.failed)} of {summary.images} image(s) failed", file=sys.stderr)
+        return 1
+    return 0
 
-    if len(results) == 1:
-        return results[0]
-    return Instances(*(np.concatenate([getattr(r, f) for r in results]) for f in ("queries", "scores", "boxes",
-                                                                              "masks")))
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _silent(line: str) -> None:
+    """Per-image lines under --quiet or --json: none."""
 
 
 def _bundle(args: argparse.Namespace) -> int:

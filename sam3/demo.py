@@ -1,10 +1,12 @@
-"""`sam3 demo`: the image encoder of a generated bundle through the NPU layer, each stage checked against numpy.
+"""`sam3 demo`: the whole pipeline on a generated bundle through the NPU layer, its stages checked against numpy.
 
 Two generated bundles of small random weights (cached): a host-ViT one and a device-resident-ViT one with an
 f32 residual stream. The ViT runs on both paths, then the neck and the DETR encoder (with random prompt
 features) on the device bundle's outputs. Each stage is compared with the same stage computed in float32 numpy
 over the bundle's own weights (the packed ones decoded), from the same inputs (docs/sam3-pipeline.md 6).
-With `--bundle DIR` the stages run on that bundle instead (on a real NPU, a compiled one).
+Then the whole pipeline segments the bundle's reference image for its prompt, and the overlay is drawn enlarged
+with each instance's score (docs/sam3-cli.md "sam3 demo"). With `--bundle DIR` all this runs on that bundle
+instead (on a real NPU, a compiled one).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ VARIANTS = ("host", "device-f32")
 # A launch on the emulator runs a numpy model: full-size attention over 5184 tokens takes tens of seconds on a
 # small machine, where the hardware takes milliseconds and the 10 s default is the right bound.
 EMULATOR_TIMEOUT = 900.0
+# The demo's overlay (docs/sam3-cli.md "sam3 demo"): its longer side at least this many pixels; the score threshold
+# of the instances it counts; how many queries it shows instead when none is above (random weights); the score
+# labels' font size and padding in pixels.
+OVERLAY_SIDE = 512
+THRESHOLD = 0.5
+BEST = 3
+LABEL_FONT = 16
+LABEL_PAD = 3
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
@@ -125,22 +135,98 @@ class Demo:
 
 def segment_reference_image(root: Path, dev: Device, timeout: float, overlay: str | os.PathLike[str] | None,
                             max_contexts: int | None, chains: bool | None) -> dict[str, Any]:
-    """The whole pipeline on the bundle's reference image and prompt; writes the overlay when asked."""
-    from sam3 import post
+    """The whole pipeline on the bundle's reference image and prompt; writes the large overlay when asked
+    (docs/sam3-cli.md "sam3 demo"): the instances above the threshold or, when none is (random weights), the
+    best-scoring queries, each labelled with its score."""
+    from PIL import Image
+
     from sam3.pipeline import Sam3
 
     with Sam3(root, dev, max_contexts=max_contexts, chains=chains, timeout=timeout) as sam:
         if sam.bundle.ref_image is None or not sam.bundle.ref_prompt:
             raise NpuError(f"{root}: no ref_image / ref_prompt record to segment")
         image, prompt = sam.bundle.ref_image, sam.bundle.ref_prompt
-        result = sam.segment(image, prompt)
-        found = result.instances
-        doc: dict[str, Any] = {"image": str(image), "prompt": prompt, "instances": len(found),
-                               "scores": [float(x) for x in found.scores], "timing": result.timing.as_dict(),
-                               "timing_line": result.timing.line(), "lines": found.lines(), "overlay": None}
-        if overlay:
-            doc["overlay"] = str(post.write_overlay(overlay, result.rgb, found))
-        return doc
+        result = sam.segment(image, prompt, threshold=0.0)  # every query; the kept ones are those above THRESHOLD
+    every = result.instances
+    found = subset(every, np.flatnonzero(every.scores > np.float32(THRESHOLD)))
+    shown, which = found, f"above {THRESHOLD}"
+    if not len(found):
+        best = np.sort(np.argsort(-every.scores, kind="stable")[:BEST])
+        shown, which = subset(every, best), f"the best {len(best)} queries (none above {THRESHOLD})"
+    doc: dict[str, Any] = {"image": str(image), "prompt": prompt, "instances": len(found),
+                           "scores": [float(x) for x in found.scores], "timing": result.timing.as_dict(),
+                           "timing_line": result.timing.line(), "lines": found.lines(), "overlay": None,
+                           "shown": {"which": which, "queries": shown.queries.tolist(),
+                                     "scores": [float(x) for x in shown.scores]}}
+    if overlay:
+        picture, labels, scale = large_overlay(result.rgb, shown)
+        out = Path(overlay)
+        Image.fromarray(picture).save(out, format=overlay_format(out))
+        doc.update(overlay=str(out), overlay_size=[picture.shape[1], picture.shape[0]], scale=scale, labels=labels)
+    return doc
+
+
+def overlay_format(path: str | os.PathLike[str]) -> str:
+    """The Pillow format that writes `path`'s extension.
+
+    Raises:
+        ValueError: no format writes it.
+    """
+    from PIL import Image
+
+    ext = Path(path).suffix.lower()
+    fmt = Image.registered_extensions().get(ext)
+    if fmt is None or fmt not in Image.SAVE:
+        raise ValueError(f"overlay {path}: no image format writes extension {ext or '(none)'!r} (use .png, .jpg, ...)")
+    return fmt
+
+
+def subset(found: Any, keep: np.ndarray) -> Any:
+    """The instances at positions `keep` (query order kept)."""
+    from sam3.post import Instances
+
+    return Instances(found.queries[keep], found.scores[keep], found.boxes[keep], found.masks[keep])
+
+
+def large_overlay(rgb: np.ndarray, found: Any, side: int = OVERLAY_SIDE) -> tuple[np.ndarray, list[dict[str, Any]],
+                                                                                  int]:
+    """The overlay at a size a person can see (docs/sam3-cli.md "sam3 demo"): the picture enlarged by the
+    smallest whole factor k that makes its longer side at least `side` (bilinear, Pillow), the masks by k
+    (nearest: each pixel a k x k block) and the boxes times k, drawn as `post.overlay` draws; then each
+    instance's score in a label of its colour at its box's top-left corner. Returns (picture, labels
+    [{"query", "score", "rect": [x0, y0, x1, y1]}] inclusive, k)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    from sam3 import post
+
+    h, w = rgb.shape[:2]
+    k = max(1, -(-side // max(h, w)))
+    big = np.asarray(Image.fromarray(rgb).resize((w * k, h * k), Image.Resampling.BILINEAR))
+    masks = np.repeat(np.repeat(found.masks, k, axis=1), k, axis=2)
+    drawn = post.overlay(big, post.Instances(found.queries, found.scores, found.boxes * np.float32(k), masks))
+    img = Image.fromarray(drawn)
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default(size=LABEL_FONT)
+    labels = []
+    for n, (q, score, box) in enumerate(zip(found.queries.tolist(), found.scores.tolist(), found.boxes.tolist(),
+                                            strict=True)):  # one label per instance, each over the earlier ones
+        text = f"{score:.2f}"
+        left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+        tw, th = right - left + 2 * LABEL_PAD, bottom - top + 2 * LABEL_PAD
+        x0 = int(min(max(round(box[0] * k), 0), w * k - tw))
+        y0 = int(min(max(round(box[1] * k), 0), h * k - th))
+        rect = [x0, y0, x0 + tw - 1, y0 + th - 1]
+        colour = post.COLORS[n % len(post.COLORS)]
+        draw.rectangle(rect, fill=colour)
+        draw.text((x0 + LABEL_PAD - left, y0 + LABEL_PAD - top), text, fill=_ink(colour), font=font)
+        labels.append({"query": q, "score": score, "rect": rect})
+    return np.asarray(img), labels, k
+
+
+def _ink(colour: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Black text on a light label, white on a dark one (ITU-R BT.601 luma)."""
+    r, g, b = colour
+    return (0, 0, 0) if 0.299 * r + 0.587 * g + 0.114 * b > 128 else (255, 255, 255)
 
 
 def run_demo(device: Any = None, bundle: str | os.PathLike[str] | None = None, *, geometry: str = "tiny",
@@ -154,7 +240,10 @@ def run_demo(device: Any = None, bundle: str | os.PathLike[str] | None = None, *
         BundleError: a bundle is invalid.
         NpuError: a kernel failed to load or run, or the bundle lacks what a stage needs.
         XdnaError: the device could not be opened.
+        ValueError: no image format writes the overlay's extension.
     """
+    if overlay:
+        overlay_format(overlay)  # before any work
     dev = choose_device(device, bundle, say)
     stages: list[dict[str, Any]] = []
     totals = {"loads": 0, "evictions": 0}
@@ -215,7 +304,10 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"  {seg['timing_line']}")
         lines.extend(seg["lines"])
         if seg["overlay"]:
-            lines.append(f"wrote {seg['overlay']}")
+            w, h = seg["overlay_size"]
+            scores = " ".join(f"{x:.2f}" for x in seg["shown"]["scores"])
+            lines.append(f"wrote {seg['overlay']} ({w} x {h} px, the image x{seg['scale']}): "
+                         f"{seg['shown']['which']}" + (f", scores {scores}" if scores else ""))
     lines.append("result: " + ("OK" if doc["ok"] else "FAILED"))
     return "\n".join(lines)
 

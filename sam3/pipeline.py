@@ -4,6 +4,8 @@
     with Sam3("bundle/", device="emu") as sam:
         found = sam.segment("cats.jpg", "cat", threshold=0.5)
         found.scores, found.boxes, found.masks        # numpy, in query order
+        for item in sam.segment_many(["a.jpg", "b.png"], ["cat", "dog"]):   # one ImageResult per image
+            item.ok, item.error, [r.instances for r in item.results]
 
 The image side (preprocess, ViT, neck) runs once per image and is reused by every prompt on it; the prompt side
 (tokenizer, text encoder, DETR encoder and decoder, mask decoder, post-processing) runs per prompt. With a
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sam3 import decoder as decoder_mod
-from sam3 import detr, mask, neck, post, preprocess, text, vit
+from sam3 import detr, many, mask, neck, post, preprocess, text, vit
 from sam3.bundle import Bundle
 from sam3.npu import DEFAULT_TIMEOUT, Npu
 from sam3.tokenizer import ClipTokenizer
@@ -227,38 +229,60 @@ class Sam3:
 
     # -- both -----------------------------------------------------------------------------------
 
-    def segment(self, image: Any, prompt: str, threshold: float = 0.5, mask_threshold: float = 0.5) -> Result:
+    @staticmethod
+    def check_thresholds(threshold: float, mask_threshold: float) -> None:
+        """Refuses a threshold that is not a number in [0, 1].
+
+        Raises:
+            PostError: names the threshold and the value.
+        """
+        for name, value in (("threshold", threshold), ("mask threshold", mask_threshold)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise post.PostError(f"{name} must be a number in [0, 1], got {value!r}")
+
+    def segment(self, image: Any, prompt: str | Prompt, threshold: float = 0.5, mask_threshold: float = 0.5) -> Result:
         """Every instance of `prompt` in `image`, in query order, with its score, box (pixels) and mask.
 
         A second prompt on the same image (the same file unchanged, or the same array object) reuses the image
-        side's outputs.
+        side's outputs. `prompt` may be one `encode_prompt` returned, which is then not encoded again.
 
         Raises:
             ImageError: a bad image. PostError: a threshold outside [0, 1]. (An empty prompt is encoded, as by
                 `encode_prompt`.)
             NpuError: a kernel failed.
         """
-        for name, value in (("threshold", threshold), ("mask threshold", mask_threshold)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-                raise post.PostError(f"{name} must be a number in [0, 1], got {value!r}")
+        self.check_thresholds(threshold, mask_threshold)
         npu_before = dict(self.npu.kernel_seconds)
         loads, evictions = self.npu.loads, self.npu.evictions
-        encoded = None
+        encoded = prompt if isinstance(prompt, Prompt) else None
         key = self._key(image)
         if self._image is not None and self._image_key == key:
             features, timing = self._image, Timing()
         else:
-            features, encoded = self._encode_image(image, prompt, key)
-            timing = features.timing
+            features, pending = self._encode_image(image, None if encoded is not None else str(prompt), key)
+            encoded, timing = encoded or pending, features.timing
         if encoded is None:
             start = time.perf_counter()
-            encoded = self.encode_prompt(prompt)
+            encoded = self.encode_prompt(str(prompt))
             timing.add("text", time.perf_counter() - start)
         result = self._prompt_side(features, encoded, timing, threshold, mask_threshold)
         spent = {k: v - npu_before.get(k, 0.0) for k, v in self.npu.kernel_seconds.items()}
         timing.npu = {k: v for k, v in spent.items() if v > 0}
         result.loads, result.evictions = self.npu.loads - loads, self.npu.evictions - evictions
         return result
+
+    def segment_many(self, images: Iterable[Any], prompts: Sequence[str] | str, threshold: float = 0.5,
+                     mask_threshold: float = 0.5) -> Iterator[many.ImageResult]:
+        """Every prompt on every image, one `many.ImageResult` per image in order, the bundle's contexts kept
+        loaded throughout (docs/sam3-segment.md 9). The prompts are encoded once, before the first image. An
+        image that cannot be read is yielded with its `error` set, and the iteration goes on.
+
+        Raises:
+            TokenizerError: a prompt that cannot be encoded (before any image). PostError: a threshold outside
+                [0, 1].
+            ValueError: no prompts. NpuError: a kernel failed.
+        """
+        return many.segment_many(self, images, prompts, threshold, mask_threshold)
 
     def _prompt_side(self, features: ImageFeatures, prompt: Prompt, timing: Timing, threshold: float,
                      mask_threshold: float) -> Result:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from sam3 import demo
@@ -47,12 +48,58 @@ def test_demo_json_lists_every_stage_within_tolerance(capsys):
     from PIL import Image
 
     with Image.open("overlay.png") as written, Image.open(seg["image"]) as original:
-        assert written.size == original.size
+        k = seg["scale"]
+        assert written.size == (original.size[0] * k, original.size[1] * k) == tuple(seg["overlay_size"])
+        assert max(written.size) >= 512 > max(original.size) * (k - 1)  # the smallest whole factor reaching 512
+
+
+def test_the_overlay_is_enlarged_and_labels_each_instance_with_its_score(capsys):
+    """Oracle: post.overlay over the reference picture enlarged by Pillow (bilinear) and the masks by whole
+    blocks (np.kron), everywhere but inside the score labels, which are filled with their instance's colour."""
+    from PIL import Image
+
+    from sam3 import post
+    from sam3.pipeline import Sam3
+
+    code, out, _ = run(capsys, "demo", "--device", "emu", "--json")
+    doc = json.loads(out)
+    seg = doc["segment"]
+    assert code == 0 and seg["instances"] == 0 and seg["shown"]["which"] == "the best 3 queries (none above 0.5)"
+    with Sam3(doc["bundles"][-1], "emu") as sam:
+        every = sam.segment(seg["image"], seg["prompt"], threshold=0.0).instances
+    best = np.sort(np.argsort(-every.scores)[:3])
+    assert seg["shown"]["queries"] == every.queries[best].tolist()
+    assert seg["shown"]["scores"] == every.scores[best].tolist()
+    assert sorted(seg["shown"]["scores"], reverse=True) == sorted(every.scores.tolist(), reverse=True)[:3]
+    k = seg["scale"]
+    with Image.open(seg["image"]) as original:
+        rgb = np.asarray(original.convert("RGB"))
+        big = np.asarray(original.convert("RGB").resize((rgb.shape[1] * k, rgb.shape[0] * k),
+                                                        Image.Resampling.BILINEAR))
+    masks = np.kron(every.masks[best], np.ones((k, k), dtype=bool)).astype(bool)
+    want = post.overlay(big, post.Instances(every.queries[best], every.scores[best], every.boxes[best] * k, masks))
+    written = np.asarray(Image.open("overlay.png").convert("RGB"))
+    inside = np.zeros(written.shape[:2], dtype=bool)
+    assert [lab["query"] for lab in seg["labels"]] == seg["shown"]["queries"]
+    for n, lab in enumerate(seg["labels"]):
+        x0, y0, x1, y1 = lab["rect"]
+        assert 0 <= x0 < x1 < written.shape[1] and 0 <= y0 < y1 < written.shape[0]
+        inside[y0:y1 + 1, x0:x1 + 1] = True
+        patch = written[y0:y1 + 1, x0:x1 + 1].reshape(-1, 3)
+        fill = (patch == post.COLORS[n % 6]).all(axis=1)
+        assert 0.4 < fill.mean() < 1.0  # the label's colour, with its text drawn over it
+    assert np.array_equal(written[~inside], want[~inside])
 
 
 def test_demo_overlay_can_be_turned_off(capsys, tmp_path):
     code, out, _ = run(capsys, "demo", "--device", "emu", "--json", "-o", "")
     assert code == 0 and json.loads(out)["segment"]["overlay"] is None and not (tmp_path / "overlay.png").exists()
+
+
+def test_an_overlay_no_format_writes_is_refused_before_any_work(capsys):
+    code, out, err = run(capsys, "demo", "--device", "emu", "-o", "overlay.xyz")
+    assert code == 1 and out == ""
+    assert err == "sam3 demo: overlay overlay.xyz: no image format writes extension '.xyz' (use .png, .jpg, ...)\n"
 
 
 def test_two_contexts_still_pass_with_evictions(capsys, monkeypatch):
