@@ -408,3 +408,23 @@ def test_single_command_message_limits_S6(driver):
         assert reason is not None and ("EXEC_DPU" in reason) == single
     finally:
         npu.close()
+
+
+@pytest.mark.parametrize(("profile", "runs"), [("npu1:linux-7.0", True), ("npu4:linux-7.0", False),
+                                               ("npu1:xdna-oot", False)])
+def test_npu1_on_7_0_uses_the_legacy_dpu_slot_S20(profile, runs):
+    """7.0's NPU1 never gets the NPU command slot: START_NPU goes into the legacy DPU slot of 34 argument words,
+    so 12 properties + 15 regmap words (27) run there; the NPU slot holds 26."""
+    npu = Npu(profile)
+    try:
+        ctx, syncobj = npu.context()
+        job = npu.passthrough(tag=7)
+        instr = job["words"][2] | job["words"][3] << 32
+        write_addr(job["cmd_addr"], packet(ERT_START_NPU, _start_npu(instr, len(job["stream"]), [0] * 12,
+                                                                     job["words"])))
+        assert run_one(npu, ctx, syncobj, job) == (ERT_STATE_COMPLETED if runs else ERT_STATE_NEW)
+        write_addr(job["cmd_addr"], packet(ERT_START_NPU, _start_npu(instr, len(job["stream"]), [0] * 20,
+                                                                     job["words"])))
+        assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW         # 35 words: over the legacy slot too
+    finally:
+        npu.close()

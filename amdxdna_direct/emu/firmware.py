@@ -64,6 +64,7 @@ MAX_NPU_ARGS_WORDS = 26                 # properties + regmap of an NPU command-
 # (START_NPU), whose argument room is smaller / larger (docs/emulator.md, Driver profiles S6).
 MAX_CF_MSG_WORDS = 19
 MAX_DPU_MSG_WORDS = 35
+MAX_LEGACY_DPU_ARGS_WORDS = 34          # the legacy DPU command-list slot (7.0 NPU1, S20)
 START_NPU_PREAMBLE = 16                 # u64 instruction address, u32 size in bytes, u32 prop_count
 REGMAP_INSTR, REGMAP_NINSTR, REGMAP_SLOTS = 0x08, 0x10, 0x14   # mlir-aie regmap (docs/xrt-sequence.md 1.7)
 CHAIN_PREAMBLE = 24                     # command_count, submit_index, error_index, reserved[3]
@@ -576,7 +577,8 @@ class Firmware:
         instr, size, prop_count = struct.unpack_from("<QII", payload)
         args_words = (len(payload) - START_NPU_PREAMBLE) // 4
         # rule E10: the NPU slot's argument budget (docs/driver-rules.md); a lone one before 0.6: the message's
-        limit = MAX_DPU_MSG_WORDS if lone else MAX_NPU_ARGS_WORDS
+        legacy = self.device.profile.legacy_dpu_slot
+        limit = MAX_DPU_MSG_WORDS if lone else MAX_LEGACY_DPU_ARGS_WORDS if legacy else MAX_NPU_ARGS_WORDS
         if prop_count > args_words or args_words > limit:
             raise MalformedCommand(f"ERT_START_NPU: {prop_count} properties in {args_words} argument words "
                                    f"(at most {limit}{' in the single EXEC_DPU message' if lone else ''})")

@@ -67,6 +67,7 @@ class Profile:
                                     # hwctx_id / heap_usage / health in HW_CONTEXT_ALL, SYNC_BO range check
     flush_on_close: bool = False    # 6.14-6.19 amdxdna_flush: every close of a copy of the fd destroys its contexts
     single_cmd_path: bool = False   # before 0.6 (force_cmdlist off): a lone command goes out as one message
+    legacy_dpu_slot: bool = False   # 7.0 NPU1: START_NPU in the legacy DPU command-list slot (34 argument words)
 
 
 _AIE2_CORE = TileMetadata(row_count=4, row_start=2, dma_channel_count=4, lock_count=16, event_reg_count=128)
@@ -126,7 +127,9 @@ def profile_for(npu: str, driver: str = DEFAULT_DRIVER) -> Profile:
     fields = dict(_DRIVER_DEFAULTS, **DRIVERS[driver])
     # TEMPORAL_ONLY is an NPU4-family resource mode (docs/emulator.md, Driver profiles): NPU1 stays spatial.
     fields["temporal_only"] = fields["temporal_only"] and _NPU_BASES[npu].aligned_placement
-    return replace(_NPU_BASES[npu], driver=driver, **fields)
+    # 7.0's NPU1 firmware table entry never enables the NPU command slot: START_NPU uses the legacy DPU slot (S20).
+    legacy = driver == "linux-7.0" and not _NPU_BASES[npu].aligned_placement
+    return replace(_NPU_BASES[npu], driver=driver, legacy_dpu_slot=legacy, **fields)
 
 
 def resolve(spec: str) -> Profile:
