@@ -428,3 +428,17 @@ def test_npu1_on_7_0_uses_the_legacy_dpu_slot_S20(profile, runs):
         assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW         # 35 words: over the legacy slot too
     finally:
         npu.close()
+
+
+@pytest.mark.parametrize("driver", ["linux-6.14", "linux-6.18"])
+def test_a_context_without_config_cu_completes_its_command_unrun_before_0_6_S8(driver):
+    """Before 0.6 run_job returns without running a command while the context is not READY (no CONFIG_CU yet):
+    the wait answers 0 and the state stays NEW. (7.0 hands it to the firmware, whose answer no source settles.)"""
+    npu = Npu(f"npu4:{driver}")
+    try:
+        ctx, syncobj = npu.raw.create_hwctx()
+        job = npu.passthrough(tag=8)
+        assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW
+        assert npu.output(job) == bytes(job["nbytes"])              # nothing ran
+    finally:
+        npu.close()
