@@ -192,8 +192,7 @@ def test_temporal_only_is_an_npu4_family_mode_and_admits_to_the_firmware_limit()
         raw.create_hwctx(4)
         assert hw_contexts(raw)[0][1:] == (1, 1)            # NPU1 stays spatial (first usable column 1)
     with emu_device("npu6:linux-7.0") as npu6:
-        raw = raw_fd(npu6, heap=False)
-        raw.heap()
+        raw = raw_fd(npu6)
         for _ in range(npu6.profile.hwctx_limit):           # 16 full-width contexts: no column runs out
             raw.create_hwctx(32)
         assert errno_of(raw.create_hwctx, 4) == errno.EINVAL      # the firmware's limit, not ENODEV
