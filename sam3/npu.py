@@ -577,7 +577,7 @@ class Npu:
     def exclusive(self) -> Iterator[None]:
         """Holds this Npu's lock over a sequence of calls (a stage's buffers written, run and read back): no other
         thread's call on this Npu runs in between, so the counters' changes over the body are the body's own
-        (docs/sam3-npu.md 7). Re-entrant; the calls inside take it again."""
+        (docs/sam3-npu.md 8). Re-entrant; the calls inside take it again."""
         with self._lock:
             yield
 
