@@ -573,6 +573,14 @@ class Npu:
         self._arg_units = {k: v for k, v in self._arg_units.items() if _unit_runs(v[1])[0].kernel.ctx is not context}
         context.close()
 
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Holds this Npu's lock over a sequence of calls (a stage's buffers written, run and read back): no other
+        thread's call on this Npu runs in between, so the counters' changes over the body are the body's own
+        (docs/sam3-npu.md 8). Re-entrant; the calls inside take it again."""
+        with self._lock:
+            yield
+
     @property
     def resident(self) -> list[str]:
         """Resident contexts (their ctx ids), least recently used first."""

@@ -59,6 +59,8 @@ class _Dir:
         self.root = Path(os.path.realpath(directory))
         # (st_dev, st_ino) of each file when first opened: a later open finding another file refuses it.
         self._seen: dict[tuple[str, ...], tuple[int, int]] = {}
+        # What each file was when first opened, for the check before each forward (docs/sam3-bundle.md 8.1).
+        self._stamps: dict[tuple[str, ...], tuple[int, ...]] = {}
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -144,11 +146,31 @@ class _Dir:
     def _same(self, fd: int, parts: tuple[str, ...], what: str) -> int:
         """`fd` when its file is the one first opened at `parts` (recording it the first time); else refused."""
         st = os.fstat(fd)
+        self._stamps.setdefault(parts, _stamp(st))
         if self._seen.setdefault(parts, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
             os.close(fd)
             raise BundleError(f"{files.shown(what)}: was replaced after the bundle was opened (another file is there "
                               "now)")
         return fd
+
+    def changed(self) -> tuple[str, ...] | None:
+        """The first file opened so far that is no longer what it was when first opened (another file there, the
+        same one resized, written or its status changed, or none at all), or None (docs/sam3-bundle.md 8.1).
+
+        Raises:
+            BundleError: the bundle is closed.
+        """
+        if self.fd < 0:
+            raise BundleError("the bundle is closed")
+        # A list first: another thread's first read of a file may add to the table meanwhile.
+        for parts, stamp in list(self._stamps.items()):
+            try:
+                st = os.stat("/".join(parts), dir_fd=self.fd)
+            except OSError:
+                return parts
+            if _stamp(st) != stamp:
+                return parts
+        return None
 
     def pin(self, parts: tuple[str, ...]) -> None:
         """Record the file at `parts` now, if it can be opened, so a file swapped for it later is refused; a file
@@ -175,6 +197,12 @@ class _Dir:
                               f"{os.strerror(e.errno or 0)})") from e
         finally:
             os.close(fd)
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What a change of a file shows in its status: identity, size, modification and status-change times. The
+    status-change time cannot be set back (utime itself moves it), so a rewrite that keeps size and mtime shows."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _linked(where: int, name: str, reason: str, about_target: bool) -> str:
@@ -489,6 +517,19 @@ class Bundle:
         if key not in self._insts:
             self._insts[key] = self.file_bytes(self.kernel(key).insts)
         return self._insts[key]
+
+    def check_unchanged(self) -> None:
+        """Refuses the bundle when a file it opened changed on disk since: replaced (renamed over, a link
+        repointed), resized (truncated, grown), written in place, or removed (docs/sam3-bundle.md 8.1). A forward
+        calls it first, so it never mixes weights uploaded from one file with host weights read from another.
+
+        Raises:
+            BundleError: "<file> changed on disk since the bundle was opened: reopen it"; the bundle is closed.
+        """
+        parts = self._dir.changed()
+        if parts is not None:
+            raise BundleError(f"{files.shown(str(self.root.joinpath(*parts)))} changed on disk since the bundle was "
+                              "opened: reopen it")
 
     def close(self) -> None:
         """Release the directory descriptor and the mapping (idempotent)."""
