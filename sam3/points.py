@@ -16,8 +16,8 @@ x1, y1, x2, y2.
 from __future__ import annotations
 
 import os
+import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +38,7 @@ from sam3 import (
 )
 from sam3.bundle import Bundle
 from sam3.npu import Npu
+from sam3.pipeline import image_key
 from sam3.post import rle_encode
 from sam3.tracker_config import F32Array, TrackerConfig, TrackerError, has_tracker, read_config, read_weights
 
@@ -182,6 +183,7 @@ class Points:
         self.image_pe = tracker_prompt.image_pe(weights, cfg) if image_pe is None else image_pe
         self.dense = tracker_prompt.dense(weights, cfg)
         self._key: object = None
+        self._lock = threading.RLock()
         self._side: ImageSide | None = None
 
     @classmethod
@@ -249,17 +251,17 @@ class Points:
         self.close()
 
     def _rgb(self, image: Any) -> tuple[np.ndarray, object]:
+        """The pixels and their content key (`sam3.pipeline.image_key`: dtype, shape, sha256 of the pixels, as
+        `Sam3`'s cache; docs/sam3-segment.md 10.2): a file is decoded each call, so one rewritten with its size
+        and mtime kept is not served the old image side."""
         if isinstance(image, (str, os.PathLike)):
-            path = Path(image)
-            st = path.stat() if path.is_file() else None
-            key: object = ("file", str(path.resolve()), st.st_mtime_ns if st else 0, st.st_size if st else 0)
-            if key == self._key:
-                return np.empty(0), key
-            return preprocess.load_rgb(path), key
-        rgb = np.asarray(image)
-        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
-            raise TrackerError(f"image must be a file or an RGB8 [H, W, 3] uint8 array, got {rgb.dtype} {rgb.shape}")
-        return rgb, ("array", rgb.shape, zlib.crc32(np.ascontiguousarray(rgb).data))
+            rgb = np.ascontiguousarray(preprocess.load_rgb(Path(image)))
+        else:
+            rgb = np.ascontiguousarray(np.asarray(image))
+            if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+                raise TrackerError(f"image must be a file or an RGB8 [H, W, 3] uint8 array, got {rgb.dtype} "
+                                   f"{rgb.shape}")
+        return rgb, image_key(rgb)
 
     def image_side(self, image: Any, timing: dict[str, float] | None = None) -> ImageSide:
         """The image side of `image` (a path or an RGB8 array), reused when it is the last image seen.
@@ -269,15 +271,16 @@ class Points:
             TrackerError: the array is not RGB8.
         """
         rgb, key = self._rgb(image)
-        if key == self._key and self._side is not None:
+        with self._lock:
+            if key == self._key and self._side is not None:
+                return self._side
+            timing = {} if timing is None else timing
+            t0 = time.perf_counter()
+            pixels = preprocess.preprocess(rgb, self.cfg.image_size)
+            timing["preprocess"] = time.perf_counter() - t0
+            emb = self.encode(pixels, timing)
+            self._key, self._side = key, ImageSide(emb, int(rgb.shape[1]), int(rgb.shape[0]))
             return self._side
-        timing = {} if timing is None else timing
-        t0 = time.perf_counter()
-        pixels = preprocess.preprocess(rgb, self.cfg.image_size)
-        timing["preprocess"] = time.perf_counter() - t0
-        emb = self.encode(pixels, timing)
-        self._key, self._side = key, ImageSide(emb, int(rgb.shape[1]), int(rgb.shape[0]))
-        return self._side
 
     def decode(self, side: ImageSide, points: Any, labels: Any, box: Any = None, multimask: bool = True,
                timing: dict[str, float] | None = None) -> PointMasks:
@@ -324,5 +327,6 @@ class Points:
             rgb = np.asarray(image)
             if rgb.ndim == 3:
                 check_prompt(points, labels, box, rgb.shape[1], rgb.shape[0])
-        side = self.image_side(image, timing)
-        return self.decode(side, points, labels, box, multimask, timing)
+        with self._lock:     # one call at a time shares the NPU layer and the cached image side
+            side = self.image_side(image, timing)
+            return self.decode(side, points, labels, box, multimask, timing)

@@ -82,9 +82,51 @@ def test_the_image_side_is_reused_for_the_next_prompt(pts, fx):
     assert "vit" not in again.timing and "decoder" in again.timing
     rgb = preprocess.load_rgb(tf.tracker_dir() / c["image"])
     first = pts.segment_points(rgb, c["points"], c["labels"], multimask=False)
-    assert "vit" in first.timing                      # an array is a new key, not the file
+    assert "vit" not in first.timing                  # the file's pixels as an array: the same content, reused
+    flipped = np.ascontiguousarray(rgb[::-1])
+    assert "vit" in pts.segment_points(flipped, c["points"], c["labels"], multimask=False).timing
     second = pts.segment_points(rgb.copy(), c["points"], c["labels"], multimask=False)
-    assert "vit" not in second.timing and np.array_equal(first.masks, second.masks)
+    assert "vit" in second.timing and np.array_equal(first.masks, second.masks)
+
+
+def test_a_rewritten_file_with_its_mtime_kept_is_not_served_the_old_image(pts, fx, tmp_path):
+    """The image side is keyed on the decoded pixels, not the path, size and mtime (docs/sam3-tracker.md)."""
+    import os
+
+    from PIL import Image
+
+    _, cases = fx
+    c = cases[0]
+    rgb = preprocess.load_rgb(tf.tracker_dir() / c["image"])
+    path = tmp_path / "photo.png"
+    Image.fromarray(rgb).save(path)
+    before = pts.segment_points(path, c["points"], c["labels"], multimask=False)
+    stat = path.stat()
+    Image.fromarray(np.ascontiguousarray(rgb[::-1])).save(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = pts.segment_points(path, c["points"], c["labels"], multimask=False)
+    want = pts.segment_points(np.ascontiguousarray(rgb[::-1]), c["points"], c["labels"], multimask=False)
+    assert "vit" in after.timing and np.array_equal(after.masks, want.masks)
+    assert not np.array_equal(after.masks, before.masks)
+
+
+def test_threads_on_one_points_object_give_the_serial_results(pts, fx):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, cases = fx
+    rgb = preprocess.load_rgb(tf.tracker_dir() / cases[0]["image"])
+    images = [rgb, np.ascontiguousarray(rgb[::-1]), np.ascontiguousarray(rgb[:, ::-1])]
+    calls = [(images[k % 3], cases[k % len(cases)]) for k in range(12)]
+
+    def one(call):
+        image, c = call
+        return pts.segment_points(image, c["points"], c["labels"], c["box"], c["multimask"])
+
+    serial = [one(call) for call in calls]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(one, calls))
+    for a, b in zip(serial, threaded, strict=True):
+        assert np.array_equal(a.masks, b.masks) and np.array_equal(a.iou, b.iou)
 
 
 def test_json_and_lines(pts, fx):
