@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from . import errors
     from .bo import Bo
     from .device import Device, open_device
-    from .errors import Error
+    from .errors import ContextLostError, Error, XdnaError
     from .hwctx import HwContext
     from .kernel import DEFAULT_TIMEOUT, FOREVER, Kernel, Run, RunList
     from .xclbin import Xclbin
@@ -33,14 +33,14 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "open_device": "device", "Device": "device", "Bo": "bo", "HwContext": "hwctx", "Kernel": "kernel",
     "Run": "kernel", "RunList": "kernel", "DEFAULT_TIMEOUT": "kernel", "FOREVER": "kernel", "Xclbin": "xclbin",
-    "Error": "errors",
+    "Error": "errors", "XdnaError": "errors", "ContextLostError": "errors",
 }
 DISTRIBUTION = "amdxdna-direct"
 #: Reported when the package runs from a source tree that was never installed (no distribution metadata).
 UNINSTALLED_VERSION = "0+unknown"
 
 __all__ = ["open_device", "Device", "Bo", "HwContext", "Kernel", "Run", "RunList", "Xclbin", "errors", "Error",
-           "DEFAULT_TIMEOUT", "FOREVER", "__version__"]
+           "XdnaError", "ContextLostError", "DEFAULT_TIMEOUT", "FOREVER", "__version__"]
 
 
 def _version() -> str:

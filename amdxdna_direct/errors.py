@@ -20,6 +20,7 @@ __all__ = [
     "NoDeviceError",
     "PermissionDeniedError",
     "ContextUnavailableError",
+    "ContextLostError",
     "CommandError",
     "CommandTimeout",
     "DeviceLostError",
@@ -69,6 +70,30 @@ class PermissionDeniedError(XdnaError):
 
 class ContextUnavailableError(XdnaError):
     """CREATE_HWCTX refused: no free columns, firmware context limit or handle exhaustion."""
+
+
+class ContextLostError(XdnaError):
+    """The driver destroyed a hardware context this program still uses (docs/runtime.md 4.4).
+
+    On Linux 6.14-6.19 every close() of a copy of the device file destroys all of that file's contexts: a child
+    process closing its inherited copy (``subprocess``, ``multiprocessing`` with fork, ``os.fork``) or a closed
+    ``dup``; Linux 7.0 keeps them. ``errno`` is EINVAL, what the driver answers for the old handle. Attributes:
+    ``hwctx`` (the lost handle) and ``cause`` (what most likely destroyed it). ``HwContext.recreate`` makes the
+    context again in place.
+    """
+
+    def __init__(self, err: int, message: str, *, hwctx: int | None = None, cause: str | None = None) -> None:
+        super().__init__(err, message)
+        self.hwctx = hwctx
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[Callable[..., ContextLostError], tuple[object, ...]]:
+        return (_rebuild_context_lost, (type(self), self.errno, self.message, self.hwctx, self.cause))
+
+
+def _rebuild_context_lost(cls: type[ContextLostError], err: int, message: str, hwctx: int | None,
+                          cause: str | None) -> ContextLostError:
+    return cls(err, message, hwctx=hwctx, cause=cause)
 
 
 class CommandError(XdnaError):

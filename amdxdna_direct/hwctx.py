@@ -13,6 +13,7 @@ import errno
 import hashlib
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,15 +25,15 @@ import numpy as np
 from . import abi
 from . import insts as insts_mod
 from .device import DeviceFile, release_quietly, release_steps
-from .errors import ContextUnavailableError, ioctl_error
+from .errors import ContextLostError, ContextUnavailableError, XdnaError, errno_text, format_call, ioctl_error
 
 if TYPE_CHECKING:
     from .bo import Bo
-    from .device import Device
+    from .device import Device, _Resource
     from .kernel import Kernel, Run, RunList
 
 __all__ = ["HwContext", "ComputeUnit", "Instructions", "PRIORITIES", "QOS_BUFFER_SIZE", "as_xclbin", "create_hwctx",
-           "instruction_bytes", "release_context"]
+           "instruction_bytes", "release_context", "children_started"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,45 @@ MAX_NUM_CUS = 32  # driver limit for CONFIG_CU (docs/xrt-sequence.md 1.3)
 _PRIORITY_VALUES = {"realtime": abi.AMDXDNA_QOS_REALTIME_PRIORITY, "high": abi.AMDXDNA_QOS_HIGH_PRIORITY,
                     "normal": abi.AMDXDNA_QOS_NORMAL_PRIORITY, "low": abi.AMDXDNA_QOS_LOW_PRIORITY}
 PRIORITIES = tuple(_PRIORITY_VALUES)
+
+
+# --- child processes (docs/runtime.md 4.4) ---
+# On Linux 6.14-6.19 a child's close of its inherited copy of the device file destroys every context of the file.
+# The runtime counts the children this process starts: the audit events of every way Python starts one
+# (subprocess and os.posix_spawn run no at-fork hook) and os.register_at_fork for a fork from C.
+_SPAWN_EVENTS = frozenset({"os.fork", "os.forkpty", "subprocess.Popen", "os.posix_spawn", "os.posix_spawnp",
+                           "os.system"})
+_children = [0]
+_watch_lock = threading.Lock()
+_watching = [False]
+_LOST_HINT = ("on Linux 6.14-6.19 every close() of a copy of the device file destroys all of its hardware contexts: "
+              "a child process (subprocess, multiprocessing with fork, os.fork) closes its inherited copy, and so "
+              "does closing a dup of the fd; Linux 7.0 keeps them. Fix: HwContext.recreate(), or start child "
+              "processes before creating contexts (or from a process without the device open: multiprocessing "
+              "'spawn' / 'forkserver' started first), or run Linux >= 7.0")
+
+
+def _count_child() -> None:
+    _children[0] += 1
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event in _SPAWN_EVENTS:
+        _count_child()
+
+
+def _watch_children() -> None:
+    with _watch_lock:
+        if not _watching[0]:
+            _watching[0] = True
+            sys.addaudithook(_audit)
+            os.register_at_fork(after_in_parent=_count_child)
+
+
+def children_started() -> int:
+    """How many times this process has started a child since the first context was created (a fork or a spawn
+    may count twice: only a change matters)."""
+    return _children[0]
 
 
 @dataclass(frozen=True)
@@ -187,21 +227,31 @@ class HwContext:
         self._kernels: dict[str, Kernel] = {}
         self._runs: weakref.WeakSet[Run | RunList] = weakref.WeakSet()
         self._closed = False
-        self._release = None
+        self._release: _Resource | None = None
         self.cus: list[ComputeUnit] = []
         self.handle = self.syncobj = 0
+        self.generation = 0                 # bumped by recreate: runs refresh the handles in their requests
+        self._chosen = chosen
+        _watch_children()
+        self._children_seen = children_started()
+        self._finalizer = weakref.finalize(self, release_quietly, self._bring_up(), "hardware context")
+
+    def _bring_up(self) -> _Resource:
+        """CREATE_HWCTX, the PDI buffers and CONFIG_CU; on failure everything created so far is released."""
+        device = self.device
+        self._release = None
         try:
             self.handle, self.syncobj = create_hwctx(device, self.num_tiles, self.max_opc, self.priority)
-            self._configure(chosen)
+            self._configure(self._chosen)
             # Registered after the PDI buffers so that device close (newest first) destroys the context
             # before its PDIs.
-            self._release = device.file.register(release_context, device.file, self.handle, self.syncobj,
-                                                 [cu.pdi for cu in self.cus])
+            self._held = _Held(self.handle, self.syncobj, [cu.pdi for cu in self.cus])
+            self._release = release = device.file.register(_release_held, device.file, self._held)
         except BaseException:
             if self._release is None and self.handle:
                 release_context(device.file, self.handle, self.syncobj, [cu.pdi for cu in self.cus])
             raise
-        self._finalizer = weakref.finalize(self, release_quietly, self._release, "hardware context")
+        return release
 
     # -- bring-up ------------------------------------------------------------------------------
 
@@ -316,6 +366,76 @@ class HwContext:
     def track(self, unit: Run | RunList) -> None:
         """Remember a run or run list so that ``close`` releases its packet buffers first."""
         self._runs.add(unit)
+
+    # -- a context the driver destroyed (docs/runtime.md 4.4) -------------------------------------
+
+    def check_alive(self, what: str, fields: dict[str, Any]) -> None:
+        """Before a submission: when this process has started a child since the last look, ask the driver
+        whether the context is still there (it lists the contexts of the files on its client list).
+
+        Raises:
+            ContextLostError: the driver no longer has the context.
+        """
+        started = children_started()
+        if started == self._children_seen:
+            return
+        self._children_seen = started
+        if not self._listed():
+            raise self._lost(what, fields, "a child process was started since it was created (the child's close "
+                                           "of its copy of the device file destroyed it)")
+
+    def lost_error(self, what: str, fields: dict[str, Any], exc: XdnaError) -> ContextLostError | None:
+        """The ContextLostError for an EINVAL a submission got, if the driver no longer has the context."""
+        if exc.errno != errno.EINVAL or self._listed():
+            return None
+        return self._lost(what, fields, "a child process or a closed duplicate of the device file destroyed it")
+
+    def _listed(self) -> bool:
+        """Whether the driver's context table has this context of this process (True when it cannot tell)."""
+        try:
+            entries = self.device.hw_contexts()
+        except XdnaError:
+            return True
+        pid = os.getpid()
+        return any(e.context_id == self.handle and e.pid == pid for e in entries)
+
+    def _lost(self, what: str, fields: dict[str, Any], cause: str) -> ContextLostError:
+        message = (f"{format_call(what, fields)}: {errno_text(errno.EINVAL)}; hardware context {self.handle} was "
+                   f"destroyed by the driver: {cause}; {_LOST_HINT}")
+        self._held.lost = True          # its DESTROY_HWCTX at close answers EINVAL: expected now
+        return ContextLostError(errno.EINVAL, message, hwctx=self.handle, cause=cause)
+
+    def recreate(self) -> None:
+        """Make the context again in place: the same xclbin and CUs (new PDI buffers, CONFIG_CU), a new handle
+        and syncobj. Kernels, runs, run lists and instruction buffers are kept (they belong to the device file,
+        which lives on) and submit to the new context. For a context the driver destroyed (ContextLostError);
+        on a live one it destroys it first.
+
+        Raises:
+            XdnaError: the context is closed (EBADF), or re-creating it failed (it is then closed).
+            RuntimeError: a run of the context is still in flight.
+        """
+        with self._lock:
+            self.check_open("recreate")
+            busy = [unit for unit in list(self._runs) if getattr(unit, "_in_flight", False)]
+            if busy:
+                raise RuntimeError(f"recreate: {len(busy)} run(s) of hwctx {self.handle} still in flight: wait() first")
+            # The old handle answers EINVAL once the driver destroyed it; its syncobj and PDIs are still ours.
+            self._held.lost = True
+            self._finalizer.detach()
+            if self._release is not None:
+                self._release()
+            self.cus = []
+            self.handle = self.syncobj = 0
+            try:
+                release = self._bring_up()
+            except BaseException:
+                self._closed = True
+                raise
+            self.generation += 1
+            self._children_seen = children_started()
+            self._finalizer = weakref.finalize(self, release_quietly, release, "hardware context")
+        log.info("hardware context re-created: handle %d, syncobj %d", self.handle, self.syncobj)
 
     # -- teardown ------------------------------------------------------------------------------
 
@@ -534,6 +654,31 @@ def _destroy_hwctx(file: DeviceFile, handle: int) -> None:
     req = abi.ffi.new("struct amdxdna_drm_destroy_hwctx *")
     req.handle = handle
     file.ioctl(abi.DRM_IOCTL_AMDXDNA_DESTROY_HWCTX, req, {"handle": handle})
+
+
+@dataclass
+class _Held:
+    """What a context's release frees; ``lost`` once the driver destroyed the context itself."""
+
+    handle: int
+    syncobj: int
+    pdis: list[Bo]
+    lost: bool = False
+
+
+def _release_held(file: DeviceFile, held: _Held) -> None:
+    destroy = _destroy_lost_hwctx if held.lost else _destroy_hwctx
+    release_steps(lambda: _destroy_syncobj(file, held.syncobj), lambda: destroy(file, held.handle),
+                  *(pdi.close for pdi in held.pdis))
+
+
+def _destroy_lost_hwctx(file: DeviceFile, handle: int) -> None:
+    """DESTROY_HWCTX of a context the driver may have destroyed already (EINVAL then)."""
+    try:
+        _destroy_hwctx(file, handle)
+    except XdnaError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
 
 
 def release_context(file: DeviceFile, handle: int, syncobj: int, pdis: Sequence[Bo] = ()) -> None:

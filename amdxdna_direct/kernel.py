@@ -598,6 +598,7 @@ class _Waiter:
     def __init__(self, ctx: HwContext) -> None:
         ffi = abi.ffi
         self.ctx = ctx
+        self.generation = ctx.generation
         self.file = ctx.device.file
         self.lock = threading.Lock()     # one wait at a time uses the request
         if ctx.syncobj:
@@ -617,6 +618,14 @@ class _Waiter:
             self.fields = {"hwctx": ctx.handle, "seq": 0, "timeout_ms": 0}
         self.buf = ffi.buffer(self.req)
 
+    def _refresh(self) -> None:
+        ctx = self.ctx
+        if ctx.syncobj:
+            self.handles[0] = self.fields["handle"] = ctx.syncobj
+        else:
+            self.req.hwctx = self.fields["hwctx"] = ctx.handle
+        self.generation = ctx.generation
+
     def wait(self, seq: int, timeout: float | None, what: str) -> None:
         """Block until submission ``seq`` of the context signalled (docs/xrt-sequence.md 1.9).
 
@@ -628,6 +637,8 @@ class _Waiter:
         shown = DEFAULT_TIMEOUT if timeout is None else timeout      # as the caller put it, in messages
         timeout = _check_timeout(timeout)
         with self.lock:
+            if self.generation != ctx.generation:   # HwContext.recreate: a new handle and syncobj
+                self._refresh()
             try:
                 if ctx.syncobj:
                     self.points[0] = seq
@@ -659,6 +670,8 @@ class _Exec:
 
     def __init__(self, ctx: HwContext, cmd_handle: int, handles: Sequence[int]) -> None:
         ffi = abi.ffi
+        self.ctx = ctx
+        self.generation = ctx.generation
         self.file = ctx.device.file
         self.args = ffi.new("uint32_t[]", list(handles) or [0])
         self.req = ffi.new("struct amdxdna_drm_exec_cmd *")
@@ -687,9 +700,19 @@ class _Exec:
         Raises:
             XdnaError: the driver refused (the message names hwctx, cmd_handles and arg_count).
         """
-        req = self.req
+        req, ctx = self.req, self.ctx
+        if self.generation != ctx.generation:       # HwContext.recreate gave the context a new handle
+            req.hwctx = self.fields["hwctx"] = ctx.handle
+            self.generation = ctx.generation
         req.seq = _NO_SEQ
-        self.file.ioctl_named(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, "EXEC_CMD", self.buf, self.fields)
+        ctx.check_alive("EXEC_CMD", self.fields)    # after a child process: is the context still there?
+        try:
+            self.file.ioctl_named(abi.DRM_IOCTL_AMDXDNA_EXEC_CMD, "EXEC_CMD", self.buf, self.fields)
+        except XdnaError as exc:
+            lost = ctx.lost_error("EXEC_CMD", self.fields, exc)     # EINVAL for a context the driver destroyed
+            if lost is not None:
+                raise lost from exc
+            raise
         seq: int = req.seq
         return seq
 

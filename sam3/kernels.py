@@ -708,6 +708,17 @@ def model_for(bundle: Bundle, key: str, stream: bytes) -> FlmGemm | IronMha | Ro
         raise ValueError(f"kernel {key}: {exc}") from exc
 
 
+def device_mha_shape(p: Any, key: str) -> tuple[int, int, int]:
+    """(heads, seq, d) the device ViT's strided attention `key` computes, from the ViT's params: the window
+    form's heads are windows * vit_heads over window^2 tokens, the global form's vit_heads over grid^2; d is the
+    head width. The compiled kernel is fixed by these sizes, and the reference reads nothing else of the device
+    MHA records but `elems` (docs/sam3-kernels.md 4.3), so neither does the model."""
+    tokens, head_dim = p.grid * p.grid, p.vit_dim // p.vit_heads
+    if key == "mha_win":
+        return tokens // (p.window * p.window) * p.vit_heads, p.window * p.window, head_dim
+    return p.vit_heads, tokens, head_dim
+
+
 def _model_for(bundle: Bundle, key: str, stream: bytes) -> FlmGemm | IronMha | Rope | AddLn:
     p = bundle.params
     if key in bundle.gemms:
@@ -716,7 +727,7 @@ def _model_for(bundle: Bundle, key: str, stream: bytes) -> FlmGemm | IronMha | R
     if key in bundle.mhas:
         h = bundle.mhas[key]
         if p.vit_device and key in _DEVICE_MHAS:
-            return IronMha(h.heads, h.seq, h.d, h.token_major, "strided", dim=p.vit_dim)
+            return IronMha(*device_mha_shape(p, key), False, "strided", dim=p.vit_dim)
         return IronMha(h.heads, h.seq, h.d, h.token_major)
     if key in bundle.ops:
         if key == "rope":

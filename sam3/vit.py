@@ -163,8 +163,13 @@ class Vit:
         for key in ("rope", "addln"):
             if key not in npu.ops:
                 raise NpuError(f"vit_device=1 needs the {key!r} op, which the manifest lacks", key)
-        _checked_mha(npu, "mha_win", g, g.windows * g.heads, g.win_tokens)
-        _checked_mha(npu, "mha_glob", g, g.heads, g.tokens)
+        # The device form reads rope_out, qkv and o through its stream: of the mha records only elems is read, as
+        # the reference reads it (docs/sam3-kernels.md 4.3); heads, seq and d may describe any layout.
+        for key in ("mha_win", "mha_glob"):
+            spec = npu.mhas[key]
+            if spec.elems < g.tokens * g.dim:
+                raise NpuError(f"{key}: MHA elems={spec.elems} is fewer than the ViT's {g.tokens} x {g.dim} "
+                               f"elements", key)
         self.rope_out = npu.device.bo(g.tokens * 2 * g.dim * BF16_BYTES)
         width = 4 if g.res_f32 else BF16_BYTES
         self.xres = [npu.device.bo(g.tokens * g.dim * width) for _ in range(2)]

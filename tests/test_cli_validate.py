@@ -9,6 +9,7 @@ designs, an ``ar`` archive built here byte by byte (ar(5)), and a model that cor
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -113,9 +114,12 @@ def test_text_report(tmp_path, capsys):
     assert lines[1] == "[pass] copy.xclbin + copy.bin"
     assert lines[2].split() == ["buffers", "bo0", "1024", "B,", "bo1", "1024", "B"]
     assert lines[3].strip() == "output      passed: bo1 == bo0 (1024 bytes)"
-    assert lines[4].strip().startswith("latency     3 runs: host dispatch min ")
-    assert "submit to completion" in lines[4] and "end to end" in lines[4]
-    assert lines[5].strip().startswith("throughput  2 chained runs x 2 (1 chain packet(s)): per dispatch min ")
+    assert lines[4].strip() == "chained     passed: bo1 == bo0 (1024 bytes)"
+    assert lines[5].strip().startswith("latency     3 runs: host dispatch min ")
+    assert "submit to completion" in lines[5] and "end to end" in lines[5]
+    assert lines[6].strip().startswith("throughput  2 chained runs x 2 (1 chain packet(s)): per dispatch min ")
+    assert re.fullmatch(r"chain/one   a chained dispatch takes \d+\.\d\dx the median end to end of a single run",
+                        lines[7].strip())
 
 
 class Corrupt:
@@ -135,6 +139,41 @@ def test_a_wrong_output_fails_the_check(tmp_path):
         report = validate_cmd.validate_design(dev, design, runs=2, chain=2, repeat=1)
     assert report["status"] == "fail"
     assert report["check"].startswith("failed: output bo1 differs from input bo0 in 256 of 256 bytes, first at byte 0")
+
+
+class FailsAfter:
+    """A passthrough that faults from its (n+1)-th run on: the single runs pass, the chained ones fail."""
+
+    name = "fails-after"
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, args: dict[int, np.ndarray]) -> None:
+        from amdxdna_direct.emu.memory import DeviceFault
+
+        self.calls += 1
+        if self.calls > self.n:
+            raise DeviceFault(f"run {self.calls}: this model fails after {self.n} runs")
+        src, dst = args[min(args)], args[max(args)]
+        dst[:src.nbytes] = src[:dst.nbytes]
+
+
+def test_the_chained_dispatch_is_checked_as_the_single_one(tmp_path):
+    """The same design as a chain: its output is checked too (a pattern of its own), its time compared with a
+    single run's; a chain that fails where single runs pass says so and names SAM3_CHAINS=0."""
+    xclbin, stream = generated_design(tmp_path, 4, size=256)
+    with EmuDevice("npu4") as emu, open_device(emu) as dev:
+        design = validate_cmd.Design("copy", xclbin, stream, passthrough=True)
+        report = validate_cmd.validate_design(dev, design, runs=2, chain=3, repeat=1)
+    assert report["status"] == "pass" and report["chain_check"] == "passed: bo1 == bo0 (256 bytes)"
+    assert report["chain_vs_single"] > 0
+    with EmuDevice("npu4") as emu, open_device(emu) as dev:
+        design = validate_cmd.Design("chain-only fault", xclbin, stream, passthrough=True, model=FailsAfter(3))
+        report = validate_cmd.validate_design(dev, design, runs=2, chain=3, repeat=1)
+    assert report["status"] == "fail"
+    assert report["detail"].startswith("the chain of 3 runs failed where single runs passed: ")
+    assert "this model fails after 3 runs" in report["detail"] and "SAM3_CHAINS=0" in report["detail"]
 
 
 def test_a_failing_run_fails_the_design(tmp_path, capsys):

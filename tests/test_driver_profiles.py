@@ -20,8 +20,11 @@ from emu_raw import (
     BO_CMD,
     BO_DEV_HEAP,
     BO_SHMEM,
+    ERT_START_CU,
+    ERT_START_NPU,
     ERT_STATE_COMPLETED,
     ERT_STATE_ERROR,
+    ERT_STATE_NEW,
     ERT_STATE_TIMEOUT,
     IOW,
     IOWR,
@@ -30,13 +33,17 @@ from emu_raw import (
     Raw,
     UserMem,
     call,
+    chain_packet,
     emu_device,
     errno_of,
     ioc,
     pack,
+    packet,
     read_addr,
+    regmap,
     run_one,
     state_of,
+    write_addr,
 )
 
 from amdxdna_direct import open_device
@@ -50,6 +57,7 @@ MAINLINE = ("linux-6.14", "linux-6.18", "linux-7.0")
 VERSIONS = {"linux-6.14": (0, 0), "linux-6.18": (0, 1), "linux-7.0": (0, 6), "xdna-oot": (1, 0)}
 WAIT_CMD_IOW, WAIT_CMD_IOWR = 0x40106449, 0xC0106449       # slot 9, 16 bytes, as the two trees encode it
 QUERY_HWCTX_SIZE = 64                                      # struct amdxdna_drm_query_hwctx
+WAIT_AVAILABLE = 4                                         # DRM_SYNCOBJ_WAIT_FLAGS_WAIT_AVAILABLE
 
 
 def raw_fd(device: EmuDevice, heap: bool = True) -> Raw:
@@ -184,8 +192,7 @@ def test_temporal_only_is_an_npu4_family_mode_and_admits_to_the_firmware_limit()
         raw.create_hwctx(4)
         assert hw_contexts(raw)[0][1:] == (1, 1)            # NPU1 stays spatial (first usable column 1)
     with emu_device("npu6:linux-7.0") as npu6:
-        raw = raw_fd(npu6, heap=False)
-        raw.heap()
+        raw = raw_fd(npu6)
         for _ in range(npu6.profile.hwctx_limit):           # 16 full-width contexts: no column runs out
             raw.create_hwctx(32)
         assert errno_of(raw.create_hwctx, 4) == errno.EINVAL      # the firmware's limit, not ENODEV
@@ -307,5 +314,130 @@ def test_tdr_timeout_under_a_test_clock_S24(driver, tdr, caplog):
         assert 0.9 * tdr * scale <= elapsed < tdr * scale + 3.0
         reason = npu.dev.command_reason(ctx, seq, npu.seam)
         assert reason is not None and f"made no progress for {tdr:.3g} s" in reason
+    finally:
+        npu.close()
+
+
+# ---------------------------------------------------------------------------------------------- S1, S2, S3, S17
+
+@pytest.mark.parametrize("driver", ["linux-7.0", "xdna-oot"])
+def test_cu_pdi_reference_S1(driver):
+    """Up to 7.0 CONFIG_CU keeps no reference to the PDI: closing it frees its heap range, which the next DEV BO
+    of that size gets back; the out-of-tree driver keeps it until the context goes."""
+    with emu_device(f"npu4:{driver}") as dev:
+        raw = raw_fd(dev)
+        ctx, _ = raw.create_hwctx()
+        pdi, info = raw.dev_bo(PAGE)
+        raw.config_cu(ctx, [(pdi, 0)])
+        raw.gem_close(pdi)
+        _, again = raw.dev_bo(PAGE)
+        if driver == "xdna-oot":
+            assert again.xdna_addr == info.xdna_addr + 32 * KIB      # the next 32 KiB slot: the PDI still holds its
+        else:
+            assert again.xdna_addr == info.xdna_addr
+        raw.destroy_hwctx(ctx)
+
+
+@pytest.mark.parametrize("driver", [*MAINLINE, "xdna-oot"])
+def test_mmap_of_another_fds_offset_is_eacces_S2_and_wait_available_waits_S3(driver):
+    with emu_device(f"npu4:{driver}") as dev:
+        first, second = raw_fd(dev, heap=False), raw_fd(dev, heap=False)
+        handle = first.create_bo(PAGE, BO_SHMEM)
+        assert errno_of(second.seam.mmap, PAGE, first.bo_info(handle).map_offset) == errno.EACCES
+        syncobj = call(first.seam, "SYNCOBJ_CREATE", 0, 0)[0]
+        started = time.monotonic()
+        assert errno_of(first.timeline_wait, syncobj, 5, timeout_s=0.2, flags=WAIT_AVAILABLE) == errno.ETIME
+        assert time.monotonic() - started >= 0.15
+        assert errno_of(first.timeline_wait, syncobj, 5, timeout_s=0.2, flags=0) == errno.EINVAL   # no flag
+
+
+@pytest.mark.parametrize("driver", ["linux-7.0", "xdna-oot"])
+def test_debug_buffer_attach_takes_a_seq_on_7_0_S17(driver):
+    with emu_device(f"npu4:{driver}") as dev:
+        raw = raw_fd(dev)
+        ctx, syncobj = raw.create_hwctx()
+        handle, _ = raw.dev_bo(PAGE)
+        call(raw.seam, "CONFIG_HWCTX", ctx, ASSIGN_DBG_BUF, handle, 0, 0)
+        cmd, _ = raw.shmem(PAGE, BO_CMD)
+        seq = raw.exec_cmd(ctx, cmd, [])
+        assert seq == (0 if driver == "xdna-oot" else 1)
+        raw.timeline_wait(syncobj, seq)
+
+
+# ---------------------------------------------------------------------------------------------- S6
+
+def _start_npu(instr: int, nbytes: int, props: list[int], rmap: list[int]) -> list[int]:
+    """An ERT_START_NPU payload: u64 instruction address, u32 size in bytes, u32 property count, properties,
+    regmap."""
+    return [instr & 0xFFFFFFFF, instr >> 32, nbytes, len(props), *props, *rmap]
+
+
+@pytest.mark.parametrize("driver", [*MAINLINE, "xdna-oot"])
+def test_single_command_message_limits_S6(driver):
+    """Before 0.6 a lone START_CU travels in one EXECUTE_BUFFER_CF message of 19 payload words and a lone
+    START_NPU in one EXEC_DPU message of 35 argument words; larger ones stay NEW. A chain always goes through the
+    command list (NPU slot: 26 argument words), so a chain of one runs the 21-word packet everywhere."""
+    single = driver in ("linux-6.14", "linux-6.18")
+    npu = Npu(f"npu4:{driver}")
+    try:
+        ctx, syncobj = npu.context()
+        job = npu.passthrough(tag=6)
+        instr = job["words"][2] | job["words"][3] << 32
+        for nslots, words in ((7, 19), (8, 21)):                  # 5 words + 2 per buffer slot
+            slots = [job["words"][5] | job["words"][6] << 32, job["words"][7] | job["words"][8] << 32]
+            rmap = regmap(instr, len(job["stream"]) // 4, slots, nslots)
+            assert len(rmap) == words
+            write_addr(job["cmd_addr"], packet(ERT_START_CU, rmap))
+            expected = ERT_STATE_NEW if single and words > 19 else ERT_STATE_COMPLETED
+            assert run_one(npu, ctx, syncobj, job) == expected
+        # the 21-word packet as a chain of one: the command list on every version
+        chain, chain_addr = npu.cmd(chain_packet([job["cmd"]]))
+        seq = npu.raw.exec_cmd(ctx, chain, job["args"])
+        npu.raw.timeline_wait(syncobj, seq)
+        assert state_of(chain_addr) == ERT_STATE_COMPLETED
+        # START_NPU with 12 properties + 15 regmap words = 27 argument words: over the command-list slot's 26,
+        # within the single EXEC_DPU message's 35
+        write_addr(job["cmd_addr"], packet(ERT_START_NPU, _start_npu(instr, len(job["stream"]), [0] * 12,
+                                                                     job["words"])))
+        assert run_one(npu, ctx, syncobj, job) == (ERT_STATE_COMPLETED if single else ERT_STATE_NEW)
+        write_addr(job["cmd_addr"], packet(ERT_START_NPU, _start_npu(instr, len(job["stream"]), [0] * 21,
+                                                                     job["words"])))
+        assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW     # 36 words: over both
+        reason = npu.dev.command_reason(ctx, npu.raw.query(syncobj), npu.seam)
+        assert reason is not None and ("EXEC_DPU" in reason) == single
+    finally:
+        npu.close()
+
+
+@pytest.mark.parametrize(("profile", "runs"), [("npu1:linux-7.0", True), ("npu4:linux-7.0", False),
+                                               ("npu1:xdna-oot", False)])
+def test_npu1_on_7_0_uses_the_legacy_dpu_slot_S20(profile, runs):
+    """7.0's NPU1 never gets the NPU command slot: START_NPU goes into the legacy DPU slot of 34 argument words,
+    so 12 properties + 15 regmap words (27) run there; the NPU slot holds 26."""
+    npu = Npu(profile)
+    try:
+        ctx, syncobj = npu.context()
+        job = npu.passthrough(tag=7)
+        instr = job["words"][2] | job["words"][3] << 32
+        write_addr(job["cmd_addr"], packet(ERT_START_NPU, _start_npu(instr, len(job["stream"]), [0] * 12,
+                                                                     job["words"])))
+        assert run_one(npu, ctx, syncobj, job) == (ERT_STATE_COMPLETED if runs else ERT_STATE_NEW)
+        write_addr(job["cmd_addr"], packet(ERT_START_NPU, _start_npu(instr, len(job["stream"]), [0] * 20,
+                                                                     job["words"])))
+        assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW         # 35 words: over the legacy slot too
+    finally:
+        npu.close()
+
+
+@pytest.mark.parametrize("driver", ["linux-6.14", "linux-6.18"])
+def test_a_context_without_config_cu_completes_its_command_unrun_before_0_6_S8(driver):
+    """Before 0.6 run_job returns without running a command while the context is not READY (no CONFIG_CU yet):
+    the wait answers 0 and the state stays NEW. (7.0 hands it to the firmware, whose answer no source settles.)"""
+    npu = Npu(f"npu4:{driver}")
+    try:
+        ctx, syncobj = npu.raw.create_hwctx()
+        job = npu.passthrough(tag=8)
+        assert run_one(npu, ctx, syncobj, job) == ERT_STATE_NEW
+        assert npu.output(job) == bytes(job["nbytes"])              # nothing ran
     finally:
         npu.close()

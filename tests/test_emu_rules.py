@@ -616,7 +616,7 @@ def test_rule_B8(dev, raw):
     offset = raw.bo_info(handle).map_offset
     assert errno_of(raw.seam.mmap, PAGE, offset + PAGE) == errno.EINVAL
     other = Raw(dev.open())
-    assert errno_of(other.seam.mmap, PAGE, offset) == errno.EINVAL      # a BO of another fd
+    assert errno_of(other.seam.mmap, PAGE, offset) == errno.EACCES      # a BO of another fd (drm_gem_mmap, S2)
     raw.heap()
     dev_bo, _ = raw.dev_bo(PAGE)
     assert errno_of(raw.seam.mmap, PAGE, INVALID_ADDR) == errno.EINVAL  # DEV BOs have no map_offset

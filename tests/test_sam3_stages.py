@@ -9,7 +9,7 @@ import pytest
 from sam3 import detr, neck, vit
 from sam3.build import build
 from sam3.bundle import Bundle
-from sam3.npu import Npu
+from sam3.npu import Npu, NpuError
 
 
 @pytest.fixture(scope="module", params=["host", "device", "device-f32"])
@@ -142,3 +142,32 @@ def test_stage_misuse_is_named(bundle):
             npu.io("v_o", 1).conv_geometry()
         with pytest.raises(NpuError, match="mask decoder: set_prompt"):
             mask.MaskDecoder(npu).cross(np.zeros((p.grid ** 2, p.d_model), np.float32), np.ones(p.text_len, bool))
+
+
+def _relabel_mha(manifest, key, **fields):
+    lines = manifest.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"mha {key} "):
+            words = [w for w in line.split() if w.split("=")[0] not in fields]
+            lines[i] = " ".join(words + [f"{k}={v}" for k, v in fields.items()])
+    manifest.write_text("\n".join(lines) + "\n")
+
+
+def test_device_vit_reads_only_elems_of_its_mha_records(tmp_path_factory):
+    """A device bundle whose mha records describe another layout (per-window heads, as the real device-form
+    records may) opens and computes what the original does: of those records the device path reads elems only,
+    as taconite-sam3 does (docs/sam3-kernels.md 4.3). Too few elems is still refused, naming the record."""
+    root = build(tmp_path_factory.mktemp("rl") / "dev", "tiny", variant="device-f32")
+    with Bundle.open(root) as b, Npu(b, "emu:npu4") as npu:
+        want = vit.Vit(npu).forward(pixels(b))
+        p = b.params
+    _relabel_mha(root / "manifest.txt", "mha_win", heads=p.vit_heads, seq=p.window ** 2, d=7, token_major=1)
+    _relabel_mha(root / "manifest.txt", "mha_glob", heads=1, seq=3, d=5, token_major=0)
+    with Bundle.open(root) as b, Npu(b, "emu:npu4") as npu:
+        assert (b.mhas["mha_win"].heads, b.mhas["mha_glob"].seq) == (p.vit_heads, 3)
+        np.testing.assert_array_equal(vit.Vit(npu).forward(pixels(b)), want)
+    _relabel_mha(root / "manifest.txt", "mha_glob", elems=p.grid ** 2 * p.vit_dim - 1)
+    with Bundle.open(root) as b, Npu(b, "emu:npu4") as npu, pytest.raises(
+            NpuError, match=rf"mha_glob: MHA elems={p.grid ** 2 * p.vit_dim - 1} is fewer than the ViT's "
+                            rf"{p.grid ** 2} x {p.vit_dim} elements"):
+        vit.Vit(npu)

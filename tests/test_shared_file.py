@@ -3,7 +3,9 @@
 docs/emulator.md, "The shared open file": the driver's flush runs on each close() of a descriptor of the file
 (a closed dup, a child process's copy closing at exit, exec or close_fds), unlinks the file from the device's
 client list and destroys all its hardware contexts; later EXEC_CMD / DESTROY_HWCTX on the old handles answer
-EINVAL. 7.0 and the out-of-tree driver destroy contexts only at the file's release.
+EINVAL. 7.0 and the out-of-tree driver destroy contexts only at the file's release. The runtime side
+(docs/runtime.md 4.4): a run on a context the driver destroyed raises ``ContextLostError`` naming the context
+and the likely cause, and ``HwContext.recreate`` brings it back in place.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
+import pickle
 import subprocess
 
 import pytest
@@ -25,6 +28,12 @@ from emu_raw import (
     errno_of,
     run_one,
 )
+
+import amdxdna_direct
+from amdxdna_direct import ContextLostError, XdnaError, insts, open_device
+from amdxdna_direct.emu import Passthrough
+from amdxdna_direct.errors import error_class
+from amdxdna_direct.xclbin import build_mlir_aie
 
 FLUSHING = ("linux-6.14", "linux-6.18")
 KEEPING = ("linux-7.0", "xdna-oot")
@@ -125,3 +134,84 @@ def test_a_child_process_flushes_every_file_on_6_14_to_6_19(driver, child):
             assert listed(first) == [a, b]
             first.destroy_hwctx(a)
             second.destroy_hwctx(b)
+
+
+# ---------------------------------------------------------------------------------------------- the runtime
+
+def passthrough_run(dev) -> tuple:
+    """A context with one run copying 256 bytes from one buffer to another; returns (ctx, run, check)."""
+    stream = insts.dma_stream(dev.txn_dev_gen, [(0, 256, "in"), (1, 256, "out")])
+    dev.emulator.models.bind(insts.encode(stream), Passthrough())
+    ctx = dev.hw_context(build_mlir_aie(b"pdi", n_buffers=2))
+    src, dst = dev.bo(4096), dev.bo(4096)
+    run = ctx.kernel().prepare_npu(stream, [src, dst])
+
+    def check(tag: int) -> None:
+        data = bytes((tag + i) % 256 for i in range(256))
+        src.write(data)
+        src.sync()
+        run.start().wait(10)
+        dst.sync(direction="from_device")
+        assert dst.read(256) == data
+
+    return ctx, run, check
+
+
+def test_context_lost_error_is_an_xdna_error():
+    assert issubclass(ContextLostError, XdnaError) and amdxdna_direct.ContextLostError is ContextLostError
+    assert error_class("EXEC_CMD", errno.EINVAL) is XdnaError       # a bare EINVAL stays an XdnaError
+    exc = ContextLostError(errno.EINVAL, "EXEC_CMD(hwctx=1): EINVAL", hwctx=1, cause="a child process")
+    again = pickle.loads(pickle.dumps(exc))
+    assert (type(again), again.errno, str(again), again.hwctx, again.cause) == (
+        ContextLostError, errno.EINVAL, "EXEC_CMD(hwctx=1): EINVAL", 1, "a child process")
+
+
+@pytest.mark.parametrize("child", list(CHILDREN))
+@pytest.mark.parametrize("driver", [*FLUSHING, *KEEPING])
+def test_runtime_run_after_a_child_process(driver, child):
+    with open_device(f"emu:npu1:{driver}") as dev:
+        ctx, run, check = passthrough_run(dev)
+        check(1)
+        CHILDREN[child]()
+        if driver in KEEPING:
+            check(2)
+            return
+        handle = ctx.handle
+        with pytest.raises(ContextLostError) as caught:
+            run.start()
+        exc = caught.value
+        assert (exc.errno, exc.hwctx) == (errno.EINVAL, handle) and "child process" in exc.cause
+        text = str(exc)
+        assert text.startswith(f"EXEC_CMD(hwctx={handle}, ") and "EINVAL" in text
+        assert "destroyed by the driver" in text and "Linux 7.0 keeps them" in text and "recreate()" in text
+        assert dev.stats["EXEC_CMD"] == 1                        # found before the submission, not from EINVAL
+        ctx.recreate()                                           # same xclbin and CUs, the same run object
+        assert ctx.handle != handle and not ctx.closed
+        check(3)
+        check(4)
+
+
+def test_runtime_names_a_closed_dup_as_a_likely_cause():
+    with open_device("emu:npu1:linux-6.18") as dev:
+        ctx, run, check = passthrough_run(dev)
+        check(1)
+        dev.file.seam.dup().close()                              # a duplicate of the fd closed elsewhere
+        with pytest.raises(ContextLostError, match="a child process or a closed duplicate") as caught:
+            run.start()
+        assert isinstance(caught.value.__cause__, XdnaError) and caught.value.__cause__.errno == errno.EINVAL
+        assert dev.stats["EXEC_CMD"] == 2                        # this one reached the driver, which said EINVAL
+        ctx.recreate()
+        check(2)
+        ctx.close()
+        with pytest.raises(XdnaError, match="recreate.*EBADF"):
+            ctx.recreate()
+
+
+def test_recreate_refuses_while_a_run_is_in_flight():
+    with open_device("emu:npu1:linux-7.0") as dev:
+        ctx, run, check = passthrough_run(dev)
+        dev.emulator.faults.hang(insts.encode(insts.dma_stream(dev.txn_dev_gen, [(0, 256, "in"), (1, 256, "out")])))
+        run.start()
+        with pytest.raises(RuntimeError, match="still in flight"):
+            ctx.recreate()
+        ctx.close()

@@ -311,8 +311,8 @@ def validate_design(dev: Device, design: Design, runs: int, chain: int, repeat: 
         report.update(_measure(dev, xclbin, design, stream, extents, runs, chain, repeat))
     except (XdnaError, ValueError, RuntimeError) as exc:
         return {**report, "status": "fail", "detail": f"{exc}"}
-    check = report["check"]
-    return {**report, "status": "fail" if check.startswith("failed") else "pass"}
+    failed = report["check"].startswith("failed") or report["chain_check"].startswith("failed")
+    return {**report, "status": "fail" if failed else "pass"}
 
 
 def _load(what: str, loader: Callable[[Any], Any], source: Any) -> Any:
@@ -327,9 +327,10 @@ def _load(what: str, loader: Callable[[Any], Any], source: Any) -> Any:
         raise ValueError(f"{what} {shown(source)}: {exc}") from exc
 
 
-def _pattern(size: int) -> np.ndarray:
-    # Neither zeros nor a byte ramp: an untouched or index-filled output cannot pass.
-    return (np.arange(size, dtype=np.uint32) * 2654435761 >> 7 & 0xFF).astype(np.uint8)
+def _pattern(size: int, seed: int = 0) -> np.ndarray:
+    # Neither zeros nor a byte ramp: an untouched or index-filled output cannot pass; another seed another pattern,
+    # so the chain's check cannot pass on what the single run left behind.
+    return ((np.arange(size, dtype=np.uint32) + seed) * 2654435761 >> 7 & 0xFF).astype(np.uint8)
 
 
 def _measure(dev: Device, xclbin: Xclbin, design: Design, stream: insts.Stream, extents: dict[int, int],
@@ -341,20 +342,24 @@ def _measure(dev: Device, xclbin: Xclbin, design: Design, stream: insts.Stream, 
         slots = [bos.get(i) for i in range(dst + 1)]
         kernel = ctx.kernel(design.kernel) if design.kernel else ctx.kernel()
         single = kernel.prepare_npu(stream, slots)
-        check = _check_output(single, bos, extents, src, dst, design.passthrough)
+        check = _check_output(lambda: single.start().wait(TIMEOUT), bos, extents, src, dst, design.passthrough)
         latency = _latency(single, runs)
-        throughput = _throughput(ctx, kernel, stream, slots, chain, repeat)
-    return {"check": check, "latency": latency, "throughput": throughput}
+        throughput, chained = _throughput(ctx, kernel, stream, slots, chain, repeat, bos, extents, design.passthrough)
+    one_by_one = latency["end_to_end_us"]["median"]
+    return {"check": check, "chain_check": chained, "latency": latency, "throughput": throughput,
+            "chain_vs_single": throughput["per_dispatch_us"]["median"] / one_by_one if one_by_one > 0 else None}
 
 
-def _check_output(run: Run, bos: dict[int, Bo], extents: dict[int, int], src: int, dst: int, passthrough: bool) -> str:
-    pattern = _pattern(extents[src])
+def _check_output(execute: Callable[[], Any], bos: dict[int, Bo], extents: dict[int, int], src: int, dst: int,
+                  passthrough: bool, seed: int = 0) -> str:
+    """Fill the source with a pattern and the destination with zeros, ``execute`` (one run, or a chain of
+    them), and compare."""
+    pattern = _pattern(extents[src], seed)
     bos[src].write(pattern)
     bos[dst].write(bytes(extents[dst]))
     for bo in bos.values():
         bo.sync()
-    run.start()
-    run.wait(TIMEOUT)
+    execute()
     if not passthrough:
         return "not checked (not a passthrough design)"
     bos[dst].sync()
@@ -387,11 +392,21 @@ def _latency(run: Run, runs: int) -> dict[str, Any]:
 
 
 def _throughput(ctx: HwContext, kernel: Kernel, stream: insts.Stream, slots: list[Bo | None], chain: int,
-                repeat: int) -> dict[str, Any]:
+                repeat: int, bos: dict[int, Bo], extents: dict[int, int],
+                passthrough: bool) -> tuple[dict[str, Any], str]:
+    """The chained runs' times, and their output checked as the single run's is (the same design dispatched as a
+    chain: docs/cli.md "amdxdna validate")."""
     from ..kernel import RunList
 
+    src, dst = min(extents), max(extents)
     prepared = [kernel.prepare_npu(stream, slots) for _ in range(chain)]
     with RunList(ctx, prepared) as runlist:
+        try:
+            checked = _check_output(lambda: runlist.start().wait(TIMEOUT * chain), bos, extents, src, dst,
+                                    passthrough, seed=1)
+        except (XdnaError, RuntimeError) as exc:
+            raise RuntimeError(f"the chain of {chain} runs failed where single runs passed: {exc} (SAM3 dispatches "
+                               f"chains by default; SAM3_CHAINS=0 dispatches one by one)") from exc
         host, device, total = [], [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
@@ -407,7 +422,7 @@ def _throughput(ctx: HwContext, kernel: Kernel, stream: insts.Stream, slots: lis
         run.close()
     best = min(total)
     return {"runs": chain, "repeat": repeat, "chains": chains, "host_us": _spread(host), "device_us": _spread(device),
-            "per_dispatch_us": _spread(total), "runs_per_s": 1.0 / best if best > 0 else None}
+            "per_dispatch_us": _spread(total), "runs_per_s": 1.0 / best if best > 0 else None}, checked
 
 
 def _format(document: dict[str, Any]) -> str:
@@ -420,12 +435,16 @@ def _format(document: dict[str, Any]) -> str:
         lat, thr = r["latency"], r["throughput"]
         lines.append(f"    buffers     {', '.join(f'{k} {v} B' for k, v in r['buffers'].items())}")
         lines.append(f"    output      {r['check']}")
+        lines.append(f"    chained     {r['chain_check']}")
         lines.append(f"    latency     {lat['runs']} runs: {_us('host dispatch', lat['host_us'])}; "
                      f"{_us('submit to completion', lat['device_us'])}; {_us('end to end', lat['end_to_end_us'])}")
         rate = f"{thr['runs_per_s']:.0f} runs/s" if thr["runs_per_s"] else "rate unknown"
         lines.append(f"    throughput  {thr['runs']} chained runs x {thr['repeat']} ({thr['chains']} chain packet(s)): "
                      f"{_us('per dispatch', thr['per_dispatch_us'])} (host {thr['host_us']['median']:.1f} us, "
                      f"device {thr['device_us']['median']:.1f} us); {rate}")
+        if r.get("chain_vs_single") is not None:
+            lines.append(f"    chain/one   a chained dispatch takes {r['chain_vs_single']:.2f}x the median end to end "
+                         f"of a single run")
     return "\n".join(lines)
 
 

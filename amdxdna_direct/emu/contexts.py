@@ -9,7 +9,7 @@ import logging
 from . import layouts as L
 from . import usermem
 from .memory import AMDXDNA_BO_DEV, AMDXDNA_INVALID_ADDR, DEV_HEAP_CHUNK, Bo
-from .objects import MAX_HWCTX_ID, Client, HwCtx, Timeline, fail
+from .objects import MAX_HWCTX_ID, Client, Fence, HwCtx, Timeline, fail
 from .state import DeviceState
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class ContextIoctls(DeviceState):
         self.firmware.destroy_context(ctx)      # waits for the last job, aborts the rest (docs/uapi.md 4.2)
         with self.lock:
             client.closing.remove(ctx)
-            for bo in (*ctx.internal_bos, *(cu for cu, _ in ctx.cus), *ctx.dbg_bos):
+            for bo in (*ctx.internal_bos, *(cu for cu, _ in ctx.cus if ctx.cu_refs), *ctx.dbg_bos):
                 self.unref_bo(bo)
             for bo in ctx.dbg_bos:
                 bo.dbg_ctx = None
@@ -239,9 +239,13 @@ class ContextIoctls(DeviceState):
             bo = client.bos.get(cu["cu_bo"])
             if bo is None or bo.kind != AMDXDNA_BO_DEV:
                 raise fail(errno.EINVAL, op, f"cu {i}: cu_bo={cu['cu_bo']} is not a DEV BO")
+        # Up to 7.0 the driver looks each CU BO up, takes its address and drops the reference: closing the PDI
+        # frees its heap range under the context (S1). The out-of-tree driver keeps a reference.
+        ctx.cu_refs = self.profile.staging_reports
         for cu in cus:
             bo = client.bos[cu["cu_bo"]]
-            bo.refs += 1
+            if ctx.cu_refs:
+                bo.refs += 1
             ctx.cus.append((bo, cu["cu_func"]))
 
     def _dbg_bo(self, client: Client, handle: int, op: str) -> Bo:
@@ -258,6 +262,7 @@ class ContextIoctls(DeviceState):
         bo.dbg_ctx = ctx
         bo.refs += 1
         ctx.dbg_bos.append(bo)
+        self._driver_job(ctx)
 
     def _remove_dbg(self, client: Client, ctx: HwCtx, handle: int, op: str) -> None:
         bo = self._dbg_bo(client, handle, op)
@@ -267,6 +272,17 @@ class ContextIoctls(DeviceState):
         bo.dbg_ctx = None
         ctx.dbg_bos.remove(bo)
         self.unref_bo(bo)
+        self._driver_job(ctx)
+
+    def _driver_job(self, ctx: HwCtx) -> None:
+        """7.0 attaches and detaches a debug buffer through its own command submission: it takes the next seq of
+        the context's timeline, signalled once done (S17). The out-of-tree driver is left as it was."""
+        if self.profile.staging_reports:
+            return
+        seq = ctx.next_seq
+        ctx.next_seq += 1
+        ctx.syncobj.add(seq, Fence(True))
+        self.cond.notify_all()
 
 
 def map_priority(priority: int) -> int:

@@ -585,8 +585,12 @@ class EmuSeam:
         if client.closed or self.closed:
             raise fail(errno.EBADF, op, "fd closed")
         bo = next((b for b in client.bos.values() if b.map_offset == offset and b.memfd >= 0), None)
-        # rule B8: an offset of no BO of this fd (docs/driver-rules.md)
+        # rule B8: an offset of no BO of this fd (docs/driver-rules.md); offsets are device-wide, and one of
+        # another fd's BO is refused by drm_gem_mmap's access check (S2)
         if bo is None:
+            if any(b.map_offset == offset and b.memfd >= 0 for other in dev.clients if other is not client
+                   for b in other.bos.values()):
+                raise fail(errno.EACCES, op, "that map_offset belongs to a BO of another fd")
             raise fail(errno.EINVAL, op, "no BO of this fd has that map_offset")
         if private:
             raise fail(errno.EINVAL, op, "shmem GEM objects need MAP_SHARED")

@@ -60,6 +60,11 @@ MAX_CHAIN_CMDBUF_SIZE = 4096            # the command-list buffer (docs/uapi.md 
 CHAIN_SLOT_CF = 8                       # cmd_chain_slot_execbuf_cf: cu_idx, arg_cnt
 CHAIN_SLOT_NPU = 52                     # cmd_chain_slot_npu (packed): type, 3 addresses, 6 u32
 MAX_NPU_ARGS_WORDS = 26                 # properties + regmap of an NPU command-list slot (docs/uapi.md 6.3)
+# Before 0.6 a lone command skips the command list: one EXECUTE_BUFFER_CF message (START_CU) or EXEC_DPU message
+# (START_NPU), whose argument room is smaller / larger (docs/emulator.md, Driver profiles S6).
+MAX_CF_MSG_WORDS = 19
+MAX_DPU_MSG_WORDS = 35
+MAX_LEGACY_DPU_ARGS_WORDS = 34          # the legacy DPU command-list slot (7.0 NPU1, S20)
 START_NPU_PREAMBLE = 16                 # u64 instruction address, u32 size in bytes, u32 prop_count
 REGMAP_INSTR, REGMAP_NINSTR, REGMAP_SLOTS = 0x08, 0x10, 0x14   # mlir-aie regmap (docs/xrt-sequence.md 1.7)
 CHAIN_PREAMBLE = 24                     # command_count, submit_index, error_index, reserved[3]
@@ -523,7 +528,7 @@ class Firmware:
 
     def _dispatches(self, job: Job, packet: Packet) -> list[Dispatch]:
         if packet.opcode != ERT_CMD_CHAIN:
-            return [self._dispatch(job.ctx, job.cmd_bo, packet)]
+            return [self._dispatch(job.ctx, job.cmd_bo, packet, lone=job.device.profile.single_cmd_path)]
         dispatches: list[Dispatch] = []
         for handle in _chain_handles(packet):
             bo = self._cmd_bo(job, handle)
@@ -539,11 +544,13 @@ class Firmware:
                                    f"the buffer has {MAX_CHAIN_CMDBUF_SIZE}")
         return dispatches
 
-    def _dispatch(self, ctx: HwCtx, bo: Bo, packet: Packet) -> Dispatch:
+    def _dispatch(self, ctx: HwCtx, bo: Bo, packet: Packet, lone: bool = False) -> Dispatch:
+        """The driver's checks of one kernel packet; `lone`: sent as a single message, not through the command
+        list (a command outside a chain before 0.6)."""
         if packet.opcode == ERT_START_CU:
-            return self._start_cu(ctx, bo, packet)
+            return self._start_cu(ctx, bo, packet, lone)
         if packet.opcode == ERT_START_NPU:
-            return self._start_npu(ctx, bo, packet)
+            return self._start_npu(ctx, bo, packet, lone)
         # rule E10: START_DPU is refused (docs/driver-rules.md)
         if packet.opcode == ERT_START_DPU:
             raise MalformedCommand("ERT_START_DPU is not accepted by AIE2 devices")
@@ -551,24 +558,30 @@ class Firmware:
             raise MalformedCommand(f"opcode {packet.opcode} (preemptible ELF flow) is not modelled by the emulator")
         raise MalformedCommand(f"unsupported ERT opcode {packet.opcode}")
 
-    def _start_cu(self, ctx: HwCtx, bo: Bo, packet: Packet) -> Dispatch:
+    def _start_cu(self, ctx: HwCtx, bo: Bo, packet: Packet, lone: bool) -> Dispatch:
         cu = _configured_cu(ctx, packet.masks)
+        if lone and len(packet.payload) > 4 * MAX_CF_MSG_WORDS:
+            raise MalformedCommand(f"ERT_START_CU with {len(packet.payload) // 4} payload words: the single "
+                                   f"EXECUTE_BUFFER_CF message holds {MAX_CF_MSG_WORDS} (feature level < 0.6 sends a "
+                                   f"lone command outside the command list; a chain of one goes through it)")
         slot = CHAIN_SLOT_CF + len(packet.payload)
         if slot > MAX_CHAIN_CMDBUF_SIZE:
             raise MalformedCommand(f"ERT_START_CU with {len(packet.payload) // 4} args does not fit the command list")
         return Dispatch(bo, ERT_START_CU, cu, packet.payload, slot)
 
-    def _start_npu(self, ctx: HwCtx, bo: Bo, packet: Packet) -> Dispatch:
+    def _start_npu(self, ctx: HwCtx, bo: Bo, packet: Packet, lone: bool) -> Dispatch:
         cu = _configured_cu(ctx, packet.masks)
         payload = packet.payload
         if len(payload) < START_NPU_PREAMBLE:
             raise MalformedCommand(f"ERT_START_NPU payload of {len(payload)} bytes lacks its 16-byte preamble")
         instr, size, prop_count = struct.unpack_from("<QII", payload)
         args_words = (len(payload) - START_NPU_PREAMBLE) // 4
-        # rule E10: the NPU slot's argument budget (docs/driver-rules.md)
-        if prop_count > args_words or args_words > MAX_NPU_ARGS_WORDS:
+        # rule E10: the NPU slot's argument budget (docs/driver-rules.md); a lone one before 0.6: the message's
+        legacy = self.device.profile.legacy_dpu_slot
+        limit = MAX_DPU_MSG_WORDS if lone else MAX_LEGACY_DPU_ARGS_WORDS if legacy else MAX_NPU_ARGS_WORDS
+        if prop_count > args_words or args_words > limit:
             raise MalformedCommand(f"ERT_START_NPU: {prop_count} properties in {args_words} argument words "
-                                   f"(at most {MAX_NPU_ARGS_WORDS})")
+                                   f"(at most {limit}{' in the single EXEC_DPU message' if lone else ''})")
         regmap = payload[START_NPU_PREAMBLE + 4 * prop_count:]
         return Dispatch(bo, ERT_START_NPU, cu, regmap, CHAIN_SLOT_NPU + 4 * args_words, instr, size)
 

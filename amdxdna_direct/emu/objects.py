@@ -139,6 +139,7 @@ class HwCtx:
     pid: int
     internal_bos: list[Bo] = field(default_factory=list)
     cus: list[tuple[Bo, int]] = field(default_factory=list)
+    cu_refs: bool = False           # the context holds a reference to each CU's PDI BO (out of tree only, S1)
     dbg_bos: list[Bo] = field(default_factory=list)
     stats: collections.Counter[str] = field(default_factory=collections.Counter)
     next_seq: int = 0

@@ -66,6 +66,8 @@ class Profile:
     staging_reports: bool = False   # out of tree: 0xFF payload fill and health record of a failed command,
                                     # hwctx_id / heap_usage / health in HW_CONTEXT_ALL, SYNC_BO range check
     flush_on_close: bool = False    # 6.14-6.19 amdxdna_flush: every close of a copy of the fd destroys its contexts
+    single_cmd_path: bool = False   # before 0.6 (force_cmdlist off): a lone command goes out as one message
+    legacy_dpu_slot: bool = False   # 7.0 NPU1: START_NPU in the legacy DPU command-list slot (34 argument words)
 
 
 _AIE2_CORE = TileMetadata(row_count=4, row_start=2, dma_channel_count=4, lock_count=16, event_reg_count=128)
@@ -98,8 +100,8 @@ NPUS = tuple(_NPU_BASES)
 # The driver versions (docs/emulator.md, Driver profiles): Profile fields each sets. 6.19 shares 6.18's uAPI and
 # flush; the mainline 0.10 / staging uAPI is reachable by overrides (drm_minor=10, expandable_heap=True).
 DRIVERS: dict[str, dict[str, Any]] = {
-    "linux-6.14": {"drm_minor": 0, "flush_on_close": True},                       # 6.14-6.17
-    "linux-6.18": {"drm_minor": 1, "flush_on_close": True},
+    "linux-6.14": {"drm_minor": 0, "flush_on_close": True, "single_cmd_path": True},     # 6.14-6.17
+    "linux-6.18": {"drm_minor": 1, "flush_on_close": True, "single_cmd_path": True},
     "linux-7.0": {"drm_minor": 6, "temporal_only": True},
     "xdna-oot": {"drm_minor": 10, "version_major": 1, "reported_minor": 0, "wait_cmd": True, "qos_size": 32,
                  "hwctx_entry_size": 160, "expandable_heap": True, "temporal_only": True, "tdr_timeout": 2.0,
@@ -125,7 +127,9 @@ def profile_for(npu: str, driver: str = DEFAULT_DRIVER) -> Profile:
     fields = dict(_DRIVER_DEFAULTS, **DRIVERS[driver])
     # TEMPORAL_ONLY is an NPU4-family resource mode (docs/emulator.md, Driver profiles): NPU1 stays spatial.
     fields["temporal_only"] = fields["temporal_only"] and _NPU_BASES[npu].aligned_placement
-    return replace(_NPU_BASES[npu], driver=driver, **fields)
+    # 7.0's NPU1 firmware table entry never enables the NPU command slot: START_NPU uses the legacy DPU slot (S20).
+    legacy = driver == "linux-7.0" and not _NPU_BASES[npu].aligned_placement
+    return replace(_NPU_BASES[npu], driver=driver, legacy_dpu_slot=legacy, **fields)
 
 
 def resolve(spec: str) -> Profile:
@@ -145,6 +149,7 @@ def resolve(spec: str) -> Profile:
     return replace(profile, coherent=True) if coherent else profile
 
 _DRIVER_FIELDS = ("drm_minor", "version_major", "reported_minor", "wait_cmd", "qos_size", "hwctx_entry_size",
-                  "expandable_heap", "temporal_only", "tdr_timeout", "staging_reports", "flush_on_close")
+                  "expandable_heap", "temporal_only", "tdr_timeout", "staging_reports", "flush_on_close",
+                  "single_cmd_path")
 _DRIVER_DEFAULTS = {name: getattr(Profile, name) for name in _DRIVER_FIELDS}
 PROFILES: dict[str, Profile] = {npu: profile_for(npu) for npu in NPUS}

@@ -198,8 +198,8 @@ class SubmitIoctls(DeviceState):
         points = self._points(a, op) if points_key else [0] * len(timelines)
         deadline = _deadline(a["timeout_nsec"])
         with self.lock:
-            # rule D8: a point not yet submitted needs WAIT_FOR_SUBMIT (docs/driver-rules.md)
-            if not flags & DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT:
+            # rule D8: a point not yet submitted needs WAIT_FOR_SUBMIT or WAIT_AVAILABLE, which waits for it (S3)
+            if not flags & (DRM_SYNCOBJ_WAIT_FLAGS_WAIT_FOR_SUBMIT | DRM_SYNCOBJ_WAIT_FLAGS_WAIT_AVAILABLE):
                 for index, (tl, point) in enumerate(zip(timelines, points, strict=True)):
                     if tl.fences_for(point) is None:
                         raise fail(errno.EINVAL, op, f"entry {index}: point {point} not submitted")
