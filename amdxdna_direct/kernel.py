@@ -77,6 +77,10 @@ def _monotonic_deadline_ns(timeout: float | None) -> int:
     return min(_INT64_MAX, time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9))
 
 
+# An ERT_START_CU packet's regmap follows its header and one CU mask word (docs/xrt-sequence.md 1.7).
+_REGMAP_AT = 8
+
+
 def _wait_cmd_ms(timeout: float | None) -> int:
     # WAIT_CMD counts milliseconds in a u32 and 0 means forever (docs/uapi.md 2.3, 4.11).
     # ``timeout`` is what _check_timeout returned: None (or infinity) is no bound here.
@@ -120,14 +124,15 @@ class Kernel:
         if len(args) > len(self.args):
             raise ValueError(f"{self.name} takes {len(self.args)} arguments "
                              f"({', '.join(a.name for a in self.args)}), got {len(args)}")
-        fields, bos = [], []
+        fields, bos, slots = [], [], []
         for decl, value in zip(self.args, args, strict=False):
             field, bo = _arg_field(self.name, self.ctx.device, decl, value)
             fields.append(field)
             if bo is not None:
                 bos.append(bo)
+                slots.append(decl.index)
         regmap = cmd.encode_regmap(self.regmap_size, fields)
-        return Run(self, regmap, bos)
+        return Run(self, regmap, bos, slots)
 
     def prepare_npu(self, insts: Any, buffers: Sequence[Bo | None]) -> Run:
         """A run in the mlir-aie convention: ``(3, instruction buffer, word count, *buffers)`` (docs/xrt-sequence.md
@@ -283,12 +288,16 @@ class Run:
     seconds from the last ``start`` to the completion seen by ``wait``.
     """
 
-    def __init__(self, kernel: Kernel, regmap: bytes | bytearray, bos: Sequence[Bo]) -> None:
+    def __init__(self, kernel: Kernel, regmap: bytes | bytearray, bos: Sequence[Bo],
+                 slots: Sequence[int] | None = None) -> None:
         ctx = kernel.ctx
         self.kernel = kernel
         self.ctx = ctx
         self.buffers = tuple(bos)  # keeps the argument buffers alive while the run exists
-        self._regmap = bytes(regmap)
+        # argument index -> the buffer in it, for set_arg (None: the buffers' slots are unknown)
+        self._slots: dict[int, Bo] | None = None if slots is None else dict(zip(slots, bos, strict=True))
+        self._version = 0                           # bumped by every set_arg: a RunList refreshes its handles
+        self._regmap = bytearray(regmap)
         self._lock = threading.Lock()
         self._pin = _Pin(self._lock)
         self._unpin: Any = None
@@ -506,6 +515,61 @@ class Run:
                                f"stream to rewrite")
         self.insts.set_words(words)
 
+    def set_arg(self, index: int, value: Any) -> None:
+        """Rewrite argument ``index`` (xclbin order: an int for a scalar, a ``Bo`` or None for a buffer) in
+        this run's packet in place, as XRT's ``run.set_arg``: only the argument's regmap bytes change, and the
+        buffer list EXEC_CMD passes follows (docs/runtime.md 3.5). A ``RunList`` holding the run picks the
+        change up at its next ``start``. A run prepared by ``prepare_npu`` refuses a buffer smaller than what its
+        stream's DMA reaches through that slot.
+
+        Raises:
+            RuntimeError: the run is in flight (alone or in a ``RunList``, a timed-out one included: the
+                driver may still read the packet), or was built without its buffers' argument indices.
+            TypeError, ValueError: ``index`` is not an argument of the kernel, or ``value`` does not match its
+                declaration (as ``Kernel.prepare``), or a buffer too small for the stream.
+            XdnaError: the run is closed.
+        """
+        with self._lock:
+            self.check_open("set_arg")
+            if self.in_flight:
+                raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is in flight: its packet is not "
+                                   f"rewritten until wait() collects it")
+            slots = self._slots
+            if slots is None:
+                raise RuntimeError(f"Run of {self.kernel.name} was built without its buffers' argument indices")
+            args = self.kernel.args
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(args):
+                raise ValueError(f"{self.kernel.name}: set_arg index {index!r} is not one of its {len(args)} "
+                                 f"arguments")
+            decl = args[int(index)]
+            (offset, size, word), bo = _arg_field(self.kernel.name, self.ctx.device, decl, value)
+            if bo is not None and self.insts is not None and decl.index >= 3:
+                shown: list[Bo | None] = [None] * (decl.index - 3) + [bo]
+                _check_extents(self.kernel, self.insts.extents, shown)
+            raw = word.to_bytes(size, "little")
+            self._regmap[offset:offset + size] = raw
+            self._view[_REGMAP_AT + offset:_REGMAP_AT + offset + size] = raw
+            if slots.get(decl.index) is not bo:
+                self._rebind(slots, decl.index, bo)
+
+    def _rebind(self, slots: dict[int, Bo], index: int, bo: Bo | None) -> None:
+        """Argument ``index`` now holds ``bo``: the buffers kept alive, checked and passed to EXEC_CMD follow."""
+        if bo is None:
+            slots.pop(index, None)
+        else:
+            slots[index] = bo
+        self.buffers = tuple(slots[i] for i in sorted(slots))
+        self._bos = tuple(dict.fromkeys(self.buffers))
+        self.handles = _dedup(b.handle for b in self.buffers)
+        self._exec.set_handles(self.handles)
+        slot = index - 3        # opcode, instr, ninstr, then bo0.. (docs/design.md 2)
+        if self.insts is not None and slot >= 0:
+            npu = list(self.npu_buffers)
+            npu.extend([None] * (slot + 1 - len(npu)))
+            npu[slot] = bo
+            self.npu_buffers = tuple(npu)
+        self._version += 1
+
     def close(self) -> None:
         """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread."""
         release_steps(self._unpin or self._pin.release, self.packet.close)
@@ -620,6 +684,16 @@ class _Exec:
         self.buf = ffi.buffer(self.req)
         self.fields = {"hwctx": ctx.handle, "cmd_handles": cmd_handle, "arg_count": len(handles)}
 
+    def set_handles(self, handles: Sequence[int]) -> None:
+        """The buffer handles the next EXEC_CMD passes (after an argument was rewritten)."""
+        if len(handles) != len(self.args) or not handles:
+            self.args = abi.ffi.new("uint32_t[]", list(handles) or [0])
+            self.req.args = abi.address_of(self.args) if handles else 0
+            self.req.arg_count = len(handles)
+            self.fields["arg_count"] = len(handles)
+        else:
+            self.args[0:len(handles)] = list(handles)
+
     def submit(self) -> int:
         """EXEC_CMD; returns the submission's ``seq`` (its timeline point).
 
@@ -693,14 +767,16 @@ class _Chain:
             self.head = self.view.cast("I")
             self.handles = [run.packet.handle for run in runs]
             cmd.encode_chain(self.view, self.handles)
-            # EXEC_CMD lists every BO of every sub-command, then the sub-command packets (docs/uapi.md 6.5).
-            arg_handles = _dedup([h for run in runs for h in run.handles] + self.handles)
-            self.exec = _Exec(ctx, self.bo.handle, arg_handles)
+            self.exec = _Exec(ctx, self.bo.handle, self.arg_handles())
         except BaseException:
             self.bo.close()
             raise
         self.seq: int | None = None
         self.failed = False
+
+    def arg_handles(self) -> list[int]:
+        """EXEC_CMD lists every BO of every sub-command, then the sub-command packets (docs/uapi.md 6.5)."""
+        return _dedup([h for run in self.runs for h in run.handles] + self.handles)
 
     def reset(self) -> None:
         """Make the packets submittable again: rebuild them after a failure (the driver 0xFF-fills the
@@ -752,6 +828,7 @@ class RunList:
         self._submission = 0
         # Checked for closed-ness at every start: each buffer once, however many runs share it.
         self._bos = tuple(dict.fromkeys(bo for run in runs for bo in run._bos))
+        self._versions = sum(run._version for run in runs)    # changes when a run's argument is rewritten
         try:
             for first, group in _split(runs):
                 self.chains.append(_Chain(ctx, group, first))
@@ -801,9 +878,19 @@ class RunList:
                 self._check_open("EXEC_CMD")
             if self._in_flight:
                 raise RuntimeError(f"RunList of {len(self.runs)} runs is still in flight: wait() first")
+            versions = sum(run._version for run in self.runs)
+            if versions != self._versions:
+                self._refresh(versions)
             self._claim_runs()
             self._submit()
         return self
+
+    def _refresh(self, versions: int) -> None:
+        # A run's argument was rewritten (Run.set_arg): the buffers checked and each chain's EXEC_CMD list follow.
+        self._bos = tuple(dict.fromkeys(bo for run in self.runs for bo in run._bos))
+        for chain in self.chains:
+            chain.exec.set_handles(chain.arg_handles())
+        self._versions = versions
 
     def _submit(self) -> None:
         self._submission += 1

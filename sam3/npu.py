@@ -8,8 +8,8 @@ the same `ctx` xclbin key share one context; each mha and op has its own.
 A GEMM is compiled for `m` rows; a stage with more rows owns one A and one C buffer of the padded
 height and runs the kernel once per `m`-row chunk over sub-buffer views of them (docs/sam3-npu.md 3).
 Beyond the reference: a stage's chunks go to the device as command chains (ERT_CMD_CHAIN, one wait)
-unless `SAM3_CHAINS=0` asks for the reference's one-run-at-a-time dispatch, and the command packets of
-an operand set are built once and reused.
+unless `SAM3_CHAINS=0` asks for the reference's one-run-at-a-time dispatch, and each kernel's command packets
+are built once and rewritten in place for every dispatch (docs/sam3-npu.md 7).
 """
 
 from __future__ import annotations
@@ -42,10 +42,6 @@ ENV_MAX_CONTEXTS = "SAM3_MAX_CONTEXTS"
 ENV_CHAINS = "SAM3_CHAINS"
 # The reference's run timeout (docs/sam3-npu.md 1): a first run on real hardware never waits without bound.
 DEFAULT_TIMEOUT = 10.0
-# Command packets kept per operand set (or for `run_args`), over all the units it caches: a unit per weight buffer
-# (a ViT GEMM sees one per layer) of one packet per chunk. Least recently used units go first; a unit is never
-# dropped for its own sake, so a stage of more chunks than this keeps its one unit.
-PACKETS_PER_CACHE = 512
 EVICTION_POLICIES = ("lru", "drain")
 # How a host wait for a command reaches the driver.
 WAIT_IOCTLS = ("SYNCOBJ_TIMELINE_WAIT", "WAIT_CMD")
@@ -177,7 +173,6 @@ class Io:
         self.n = spec.n
         self.chained_from = chained_from
         self.conv = conv
-        self._units: _UnitCache = {}
 
     def conv_geometry(self) -> ConvGeometry:
         """The 3x3 convolution layout of an operand set made by `Npu.conv_io`.
@@ -255,7 +250,6 @@ class MhaIo:
         self.key = spec.key
         self.spec = spec
         self.q, self.k, self.v, self.o = buffers
-        self._units: _UnitCache = {}
 
     def set_qkv(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> int:
         """Pushes q, k, v (bf16 bits or floats, at most `elems` each, in the kernel's layout); returns bytes.
@@ -355,25 +349,89 @@ def _exclusive(method: Callable[Concatenate[Npu, _P], _R]) -> Callable[Concatena
 
 # A command unit: one Run, a RunList (ERT_CMD_CHAIN packets over several), or a tuple of Runs (SAM3_CHAINS=0).
 _Unit = Run | RunList | tuple[Run, ...]
-# A cached unit under its key: (the buffers it pins, then the instruction stream it was built from; the unit).
-_UnitCache = dict[Any, tuple[tuple[Bo | bytes, ...], _Unit]]
+# The argument index of bo0 in the mlir-aie convention: opcode, instruction buffer, word count (docs/sam3-npu.md 1).
+_BO0 = 3
 
 
-def _unit_runs(unit: _Unit) -> Sequence[Run]:
-    if isinstance(unit, Run):
-        return (unit,)
-    if isinstance(unit, RunList):
-        return unit.runs
-    return unit
+def _parts(unit: _Unit) -> tuple[Run | RunList, ...]:
+    """What a unit submits and waits for: itself, or its runs one by one (chains off)."""
+    return (unit,) if isinstance(unit, (Run, RunList)) else unit
 
 
-def _release_unit(unit: _Unit) -> None:
-    """Closes a command unit's packets. A submission still on the device keeps its buffers: the driver's job
-    holds references to them until it completes."""
-    if isinstance(unit, RunList):
-        unit.close()
-    for run in _unit_runs(unit):
-        run.close()
+def _flying(part: Run | RunList) -> bool:
+    """Whether the driver may still read `part`'s packets: a RunList in flight claims every run of it."""
+    return (part.runs[0] if isinstance(part, RunList) else part).in_flight
+
+
+class _Pool:
+    """Kernel `key`'s persistent command packets (docs/sam3-npu.md 7): runs built once each, as many as the largest
+    operand set dispatched on the kernel has chunks, and rewritten in place (`Run.set_arg`) to each dispatch's
+    buffers; a RunList over the first n runs per chunk count n seen. Tied to one loaded kernel and one stream."""
+
+    def __init__(self, kernel: Kernel, ctx: HwContext, stream: bytes):
+        self.kernel = kernel
+        self.ctx = ctx
+        self.stream = stream
+        self.runs: list[Run] = []
+        self.bound: list[tuple[Bo | None, ...]] = []     # what each run's bo0.. hold now
+        self.lists: dict[int, RunList] = {}
+        self.last: _Unit | None = None                   # the unit submitted last (maybe still on the device)
+        self.built = 0                                   # packets built: runs and chain packets
+
+    @property
+    def packets(self) -> int:
+        """Command buffers this pool holds (its runs' packets and its chains')."""
+        return len(self.runs) + sum(len(lst.chains) for lst in self.lists.values())
+
+    def unit(self, buffers: Sequence[Sequence[Bo]], chains: bool) -> _Unit:
+        """The unit over `buffers` (bo0.. of each chunk, in order): runs rewritten where their buffers differ,
+        runs built for chunks beyond the largest set seen so far.
+
+        Raises:
+            ValueError: a buffer the stream's DMA reaches beyond; XdnaError: allocation failed.
+        """
+        runs, bound = self.runs, self.bound
+        for i in range(min(len(buffers), len(runs))):
+            want = tuple(buffers[i])
+            if bound[i] != want:
+                self._rewrite(i, want)
+        for more in buffers[len(runs):]:
+            runs.append(self.kernel.prepare_npu(self.stream, list(more)))
+            bound.append(tuple(more))
+            self.built += 1
+        n = len(buffers)
+        unit: _Unit
+        if n == 1:
+            unit = runs[0]
+        elif not chains:
+            unit = tuple(runs[:n])
+        else:
+            listed = self.lists.get(n)
+            if listed is None:
+                listed = self.lists[n] = RunList(self.ctx, runs[:n])
+                self.built += len(listed.chains)
+            unit = listed
+        self.last = unit
+        return unit
+
+    def _rewrite(self, i: int, want: tuple[Bo, ...]) -> None:
+        held = list(self.bound[i])
+        width = max(len(held), len(want))
+        held += [None] * (width - len(held))
+        run = self.runs[i]
+        try:
+            for j in range(width):
+                new = want[j] if j < len(want) else None
+                if held[j] is not new:
+                    run.set_arg(_BO0 + j, new)
+                    held[j] = new
+        finally:
+            self.bound[i] = tuple(held)
+
+    def close(self) -> None:
+        """Closes the pool's packets. A submission still on the device keeps its buffers: the driver's job holds
+        references to them until it completes."""
+        release_steps(*(lst.close for lst in self.lists.values()), *(run.close for run in self.runs))
 
 
 @dataclass
@@ -444,7 +502,8 @@ class Npu:
         self._xclbins: dict[Path, Xclbin] = {}
         self._check_widths()
         self._kernels: dict[str, _Resident] = {}
-        self._arg_units: _UnitCache = {}
+        self._pools: dict[str, _Pool] = {}
+        self.packets_built = 0  # command packets built over the Npu's life (runs and chains), as of the last dispatch
         self._lru: list[str] = []  # resident contexts, least recently used first
         self.loads = 0
         self.evictions = 0
@@ -570,7 +629,7 @@ class Npu:
         context = self._contexts.pop(ctx)
         for key in [k for k, r in self._kernels.items() if r.ctx is context]:
             del self._kernels[key]
-        self._arg_units = {k: v for k, v in self._arg_units.items() if _unit_runs(v[1])[0].kernel.ctx is not context}
+        self._pools = {k: p for k, p in self._pools.items() if p.ctx is not context}
         context.close()
 
     @contextmanager
@@ -796,34 +855,45 @@ class Npu:
             raise
         return MhaIo(self.mhas[key], buffers)
 
-    # -- command units (built once per operand set, context and stream) -------------------------
+    # -- command units (built once per kernel, context and stream; rewritten per dispatch) ---------
 
-    def _unit(self, key: str, cache: _UnitCache, ident: Any, pins: tuple[Bo, ...],
-              make: Callable[[Kernel, bytes], list[Run]]) -> _Unit:
-        """The command unit of kernel `key` cached in `cache[ident]`: reused while its context is resident and
-        its stream unpatched since, else built (one Run, a RunList for several, or a tuple of Runs when chains
-        are off). An entry keeps its pinned buffers alive, so no other buffer can take their ids meanwhile."""
+    def _unit(self, key: str, buffers: Sequence[Sequence[Bo]]) -> _Unit:
+        """Kernel `key`'s command unit over `buffers` (bo0.. of each chunk): its persistent packets, rebuilt only
+        after an eviction or a patch, with each run's buffer addresses rewritten where they changed."""
         resident = self._kernel(key)
         stream = self._streams[key]
-        entry = cache.pop(ident, None)
-        if entry is not None:
-            runs = _unit_runs(entry[1])
-            if runs[0].kernel is resident.kernel and entry[0][-1] is stream:
-                cache[ident] = entry  # most recently used last
-                return entry[1]
-            _release_unit(entry[1])
+        pool = self._pools.get(key)
+        if pool is None or pool.kernel is not resident.kernel or pool.stream is not stream:
+            if pool is not None:
+                self._pools.pop(key)
+                pool.close()
+            pool = self._pools[key] = _Pool(resident.kernel, resident.ctx, stream)
+        self._settle(key, pool)
+        before = pool.built
         try:
-            runs = make(resident.kernel, stream)
-            if len(runs) == 1:
-                unit: _Unit = runs[0]
-            else:
-                unit = RunList(resident.ctx, runs) if self.chains else tuple(runs)
-        except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or too many buffers
+            return pool.unit(buffers, self.chains)
+        except (errors.XdnaError, ValueError) as e:  # ValueError: a malformed stream, or a buffer too small for it
             raise NpuError(f"{key}: preparing commands failed: {e}", key) from e
-        cache[ident] = ((*pins, stream), unit)
-        while len(cache) > 1 and sum(len(_unit_runs(u)) for _, u in cache.values()) > PACKETS_PER_CACHE:
-            _release_unit(cache.pop(next(iter(cache)))[1])
-        return unit
+        finally:
+            self.packets_built += pool.built - before
+
+    def _settle(self, key: str, pool: _Pool) -> None:
+        """A unit whose wait timed out may still be read by the driver: wait for it (bounded by `timeout`) before
+        any of its packets is rewritten (docs/sam3-npu.md 7)."""
+        flying = [part for part in _parts(pool.last) if _flying(part)] if pool.last is not None else []
+        for part in flying:
+            try:
+                part.wait(self.timeout)
+            except errors.XdnaError:
+                pass
+        if any(_flying(part) for part in flying):
+            raise NpuError(f"{key}: its previous submission timed out and is still running after another "
+                           f"{self.timeout} s; its command buffers are not rewritten until it completes", key)
+
+    @property
+    def command_bos(self) -> int:
+        """Command buffers the resident kernels' units hold (bounded by the bundle's operand sets, not by forwards)."""
+        return sum(pool.packets for pool in self._pools.values())
 
     def _operand(self, key: str | None, obj: object, cls: type[Io] | type[MhaIo], what: str) -> None:
         """`obj` must be a `cls` (Io or MhaIo) made on this Npu's device."""
@@ -860,20 +930,18 @@ class Npu:
     def _gemm_unit(self, io: Io, w: Bo) -> _Unit:
         self._operand(getattr(io, "key", None), io, Io, "operands")
         self._check_weights(io.spec, w)
-        return self._unit(io.key, io._units, id(w), (w,),
-                          lambda k, insts: [k.prepare_npu(insts, [a, w, c]) for a, c in io.chunks])
+        return self._unit(io.key, [(a, w, c) for a, c in io.chunks])
 
     def _mha_unit(self, m: MhaIo) -> _Unit:
         self._operand(getattr(m, "key", None), m, MhaIo, "attention operands")
-        return self._unit(m.key, m._units, None, (), lambda k, insts: [k.prepare_npu(insts, [m.q, m.k, m.v, m.o])])
+        return self._unit(m.key, [(m.q, m.k, m.v, m.o)])
 
     def _args_unit(self, key: str, args: Sequence[Bo]) -> _Unit:
         pins = tuple(args)
         self._check_open(key)
         if isinstance(key, str) and key in self._sources:
             self._check_args(key, pins)
-        return self._unit(key, self._arg_units, (key, tuple(map(id, pins))), pins,
-                          lambda k, insts: [k.prepare_npu(insts, list(pins))])
+        return self._unit(key, [pins])
 
     @_exclusive
     def prepare(self, io: Io, w: Bo) -> None:
@@ -940,7 +1008,7 @@ class Npu:
     def _execute(self, key: str, unit: _Unit, chunks: int) -> float:
         """Submits a stage's command unit and waits: a Run or RunList once; runs one by one with chains off."""
         start = time.perf_counter()
-        parts = (unit,) if isinstance(unit, (Run, RunList)) else unit
+        parts = _parts(unit)
         for i, part in enumerate(parts):
             try:
                 self._submit(key, part, chunks)
@@ -1012,6 +1080,7 @@ class Npu:
         steps += [bo.close for bo in self._weights.values()]
         self._weights = {}
         self._lru = []
+        self._pools = {}
         if self._owns_device and hasattr(self, "device"):
             steps.append(self.device.close)
         if self._owns_bundle and hasattr(self, "bundle"):

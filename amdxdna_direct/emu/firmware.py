@@ -473,6 +473,9 @@ class Firmware:
         except MalformedCommand as exc:
             logger.warning("%s: malformed command, state left NEW: %s", _job_name(job), exc)
             return _Outcome(ERT_CMD_STATE_NEW, reason=f"malformed command (the driver left it NEW): {exc}")
+        if job.device.profile.null_firmware:
+            # The null firmware (docs/emulator.md): a well-formed command completes as it is, nothing read or run.
+            return _Outcome(ERT_CMD_STATE_COMPLETED)
         chain = packet.opcode == ERT_CMD_CHAIN
         for index, dispatch in enumerate(dispatches):
             state, op_idx, reason = self._run_dispatch(lane, job, dispatch)

@@ -2,8 +2,9 @@
 
 An emulator profile is an NPU (``NPUS``: PCI identity, geometry, firmware answers) with a driver version
 (``DRIVERS``: the kernel's uAPI and behaviour, docs/emulator.md "Driver profiles"), named ``<npu>`` or
-``<npu>:<driver>`` and optionally ``:coherent`` (``resolve``). ``PROFILES`` maps each NPU name to that NPU with
-the default driver, the newest mainline kernel modelled. Any ``Profile`` field is an ``EmuDevice`` keyword override.
+``<npu>:<driver>``, optionally followed by the variants ``:coherent`` and ``:null`` in any order (``resolve``).
+``PROFILES`` maps each NPU name to that NPU with the default driver, the newest mainline kernel modelled. Any
+``Profile`` field is an ``EmuDevice`` keyword override.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class Profile:
     flush_on_close: bool = False    # 6.14-6.19 amdxdna_flush: every close of a copy of the fd destroys its contexts
     single_cmd_path: bool = False   # before 0.6 (force_cmdlist off): a lone command goes out as one message
     legacy_dpu_slot: bool = False   # 7.0 NPU1: START_NPU in the legacy DPU command-list slot (34 argument words)
+    null_firmware: bool = False     # True: every command completes at once, no stream read, no model run
+                                    # (a tool for measuring the host, docs/emulator.md "The null firmware")
 
 
 _AIE2_CORE = TileMetadata(row_count=4, row_start=2, dma_channel_count=4, lock_count=16, event_reg_count=128)
@@ -110,6 +113,9 @@ DRIVERS: dict[str, dict[str, Any]] = {
 DEFAULT_DRIVER = "linux-7.0"
 DEFAULT_PROFILE = "npu4"
 COHERENT = "coherent"
+NULL = "null"
+# The variants a name may end with, in any order, each once: the Profile field each one sets.
+VARIANTS = {COHERENT: "coherent", NULL: "null_firmware"}
 
 
 def profile_for(npu: str, driver: str = DEFAULT_DRIVER) -> Profile:
@@ -133,20 +139,24 @@ def profile_for(npu: str, driver: str = DEFAULT_DRIVER) -> Profile:
 
 
 def resolve(spec: str) -> Profile:
-    """The Profile ``<npu>[:<driver>][:coherent]`` names (an empty NPU: the default one).
+    """The Profile ``<npu>[:<driver>][:coherent][:null]`` names (an empty NPU: the default one; the variants in
+    any order, each at most once).
 
     Raises:
-        KeyError: an unknown NPU, driver or variant, naming what is known.
+        KeyError: an unknown NPU, driver or variant, or a variant given twice, naming what is known.
     """
     npu, *rest = spec.split(":")
-    coherent = bool(rest) and rest[-1] == COHERENT
-    if coherent:
-        rest = rest[:-1]
+    chosen: dict[str, Any] = {}
+    while rest and rest[-1] in VARIANTS:
+        field = VARIANTS[rest.pop()]
+        if field in chosen:
+            raise KeyError(f"emulator profile {spec!r}: a variant is given twice")
+        chosen[field] = True
     if len(rest) > 1:
-        raise KeyError(f"emulator profile {spec!r}: expected <npu>[:<driver>][:coherent] "
+        raise KeyError(f"emulator profile {spec!r}: expected <npu>[:<driver>][:coherent][:null] "
                        f"(drivers: {', '.join(DRIVERS)})")
     profile = profile_for(npu or DEFAULT_PROFILE, rest[0] if rest else DEFAULT_DRIVER)
-    return replace(profile, coherent=True) if coherent else profile
+    return replace(profile, **chosen) if chosen else profile
 
 _DRIVER_FIELDS = ("drm_minor", "version_major", "reported_minor", "wait_cmd", "qos_size", "hwctx_entry_size",
                   "expandable_heap", "temporal_only", "tdr_timeout", "staging_reports", "flush_on_close",
