@@ -124,15 +124,19 @@ class Sam3:
         bundle: a bundle directory or an open `Bundle`.
         device: anything `sam3.npu.Npu` accepts ("emu", "/dev/accel/accel0", None: the default device).
         max_contexts, chains, timeout: as `Npu`.
+        max_pixels: the largest image file decoded, in pixels (`preprocess.load_rgb`, docs/sam3-segment.md 10.2).
 
     Raises:
         BundleError: the bundle is invalid or lacks a tensor a stage needs.
         NpuError: a kernel failed to load, or does not fit the params.
         XdnaError: the device could not be opened.
+        ValueError: `max_pixels` is not a positive integer (before anything is opened).
     """
 
     def __init__(self, bundle: Bundle | str | os.PathLike[str], device: Any = None, *, max_contexts: int | None = None,
-                 chains: bool | None = None, timeout: float = DEFAULT_TIMEOUT):
+                 chains: bool | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 max_pixels: int = preprocess.MAX_PIXELS):
+        self.max_pixels = preprocess.pixel_limit(max_pixels)
         self.npu = Npu(bundle, device, max_contexts=max_contexts, chains=chains, timeout=timeout)
         try:
             self.bundle = self.npu.bundle
@@ -184,10 +188,9 @@ class Sam3:
             raise preprocess.ImageError(f"an image array must be uint8 [H, W, 3], got {rgb.dtype} {list(rgb.shape)}")
         return ("array", rgb.shape, zlib.crc32(np.ascontiguousarray(rgb).data))
 
-    @staticmethod
-    def _load(image: Any) -> np.ndarray:
+    def _load(self, image: Any) -> np.ndarray:
         if isinstance(image, (str, os.PathLike)):
-            return preprocess.load_rgb(image)
+            return preprocess.load_rgb(image, self.max_pixels)
         return np.ascontiguousarray(image)
 
     def encode_image(self, image: Any, prompt: str | None = None) -> tuple[ImageFeatures, Prompt | None]:
