@@ -3,6 +3,10 @@
 Exit codes as `amdxdna`'s: 0 success, 1 a failure (an error, a stage out of tolerance), 2 a usage error;
 130 on Ctrl-C. Errors print one line, `sam3 <command>: <message>`; with `--json` the JSON error object on
 stdout too. A closed or full stdout and an ASCII-only one as `amdxdna` (docs/cli.md "Conventions").
+
+The stages, numpy and Pillow are imported by the command that needs them, inside `guarded`, so that a Ctrl-C
+during those imports (about a second) is one line and 130 too; every name, path and value printed has its
+control characters escaped (docs/sam3-cli.md "Hostile text").
 """
 
 from __future__ import annotations
@@ -16,12 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from amdxdna_direct.cli import guarded, one_line
+from amdxdna_direct.cli import guarded, one_line, shown
 from amdxdna_direct.errors import Error
-from sam3 import build as build_mod
-from sam3 import demo as demo_mod
-from sam3.bundle import Bundle, BundleError, format_summary, hub, split_fields, summarize
-from sam3.npu import DEFAULT_TIMEOUT, NpuError
 
 SCHEMA = 1
 
@@ -30,7 +30,7 @@ class UsageParser(argparse.ArgumentParser):
     """argparse that exits 2 with one line on a usage error (as `amdxdna`)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
+        self.exit(2, f"{self.prog}: {one_line(message)}\n")  # "unrecognized arguments: ..." quotes them raw
 
 
 def _version() -> str:
@@ -100,6 +100,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", metavar="DIR", help="many images: one overlay per image, DIR/<name>.png")
     s.add_argument("--resume", action="store_true", help="many images: skip the images the --jsonl file has done")
     s.add_argument("-q", "--quiet", action="store_true", help="many images: no progress bar, no per-image lines")
+    s.add_argument("--max-pixels", type=_pixels, metavar="N", help="refuse an image of more than N pixels, from its "
+                   "header (default 67108864, 8192 x 8192: docs/sam3-segment.md 10.2)")
     dl = sub.add_parser("download", help="fetch a bundle from the Hugging Face Hub into its cache",
                         description="Fetches the repository OWNER/NAME with huggingface_hub (the hub extra) into the "
                                     "Hugging Face cache and prints its snapshot directory; bundle arguments then "
@@ -124,13 +126,45 @@ def _fail(command: str, message: str, as_json: bool) -> int:
     return 1
 
 
+def _pixels(text: str) -> int:
+    """--max-pixels N: a positive whole number."""
+    value = int(text) if text.strip().isdigit() else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number of pixels, got {text!r}")
+    return value
+
+
+def _escaped(value: Any) -> Any:
+    """``value`` with every string in it (keys too) through ``one_line``: for the text forms only, which print
+    names and values read from files (JSON escapes control characters itself)."""
+    if isinstance(value, str):
+        return one_line(value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v) for v in value]
+    return value
+
+
+def _line(text: str) -> None:
+    """One line on stdout, its control characters escaped."""
+    print(one_line(text))
+
+
+def _note(text: str) -> None:
+    """One ``sam3: ...`` line on stderr (the device chosen), its control characters escaped."""
+    print(f"sam3: {one_line(text)}", file=sys.stderr)
+
+
 def _demo(args: argparse.Namespace) -> int:
+    from sam3 import demo as demo_mod
+
     say = demo_mod.progress(not args.json or args.geometry != "tiny")
     start = time.perf_counter()
     doc = demo_mod.run_demo(args.device, args.bundle, geometry=args.geometry, max_contexts=args.max_contexts,
                             chains=False if args.no_chains else None, seed=args.seed,
                             overlay=args.overlay or None, say=say)
-    print(json.dumps(doc, allow_nan=False) if args.json else demo_mod.format_table(doc))
+    print(json.dumps(doc, allow_nan=False) if args.json else demo_mod.format_table(_escaped(doc)))
     say(f"done in {time.perf_counter() - start:.1f} s")
     return 0 if doc["ok"] else 1
 
@@ -144,6 +178,23 @@ def _usage(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _check_prompts(prompts: Sequence[str]) -> None:
+    """Refuse, before the bundle is opened, a prompt that is not UTF-8 text (argv bytes that did not decode reach
+    Python as lone surrogates: docs/sam3-cli.md "Hostile text"), then a blank one.
+
+    Raises:
+        ValueError: names the prompt (escaped) and the first byte that is not UTF-8.
+    """
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = ord(prompt[e.start])
+            what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"code point U+{code:04X}"
+            raise ValueError(f"prompt {shown(prompt)} is not UTF-8 text ({what} at character {e.start})") from None
+    _refuse_blank(prompts)
+
+
 def _refuse_blank(prompts: Sequence[str]) -> None:
     """The tokenizer frames an empty prompt as the reference does; on the command line it is a mistake
     (docs/sam3-host.md 4.3). split_fields splits on the White_Space the tokenizer drops.
@@ -151,17 +202,21 @@ def _refuse_blank(prompts: Sequence[str]) -> None:
     Raises:
         ValueError: a prompt with no characters but white space, before the bundle is opened.
     """
+    from sam3.bundle import split_fields
+
     blank = next((p for p in prompts if not split_fields(p)), None)
     if blank is not None:
         raise ValueError(f"prompt {blank!r} is empty: nothing to segment")
 
 
 def _segment(args: argparse.Namespace) -> int:
+    from sam3 import demo as demo_mod
     from sam3 import many, post
+    from sam3.npu import DEFAULT_TIMEOUT
     from sam3.pipeline import Sam3
 
     if args.prompt:
-        _refuse_blank(args.prompt)
+        _check_prompts(args.prompt)
         return _segment_many(args)
     given = [f"--{o}" for o in _MANY_ONLY if getattr(args, o)]
     if given:
@@ -171,16 +226,16 @@ def _segment(args: argparse.Namespace) -> int:
     args.image, prompts = args.inputs[0], args.inputs[1:]
     if args.reps < 1:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
-    _refuse_blank(prompts)
+    _check_prompts(prompts)
     start = time.perf_counter()
-    device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
+    device = demo_mod.choose_device(args.device, args.bundle, _note)
     try:
         timeout = demo_mod.EMULATOR_TIMEOUT if device.emulator is not None else DEFAULT_TIMEOUT
-        with Sam3(args.bundle, device, timeout=timeout) as sam:
+        with Sam3(args.bundle, device, timeout=timeout, max_pixels=_max_pixels(args)) as sam:
             where = f"emulator ({device.name})" if device.emulator is not None else f"NPU ({device.name})"
             loaded = time.perf_counter() - start
             if not args.json:
-                print(f"loaded {args.bundle} ({loaded:.1f} s); mode npu on {where}")
+                print(f"loaded {shown(args.bundle)} ({loaded:.1f} s); mode npu on {where}")
             doc: dict[str, Any] = {"schema": SCHEMA, "command": "segment", "bundle": str(args.bundle),
                                    "image": str(args.image), "device": device.name, "load_seconds": loaded,
                                    "prompts": []}
@@ -210,7 +265,7 @@ def _segment(args: argparse.Namespace) -> int:
                 path = post.write_overlay(args.output, result.rgb, many.merge(results))
                 doc["overlay"] = str(path)
                 if not args.json:
-                    print(f"wrote {path}")
+                    print(f"wrote {shown(path)}")
     finally:
         device.close()
     if args.json:
@@ -220,7 +275,9 @@ def _segment(args: argparse.Namespace) -> int:
 
 def _segment_many(args: argparse.Namespace) -> int:
     """`sam3 segment BUNDLE IMAGES... --prompt P ...` (docs/sam3-cli.md): the bundle opened once, `many.run`."""
+    from sam3 import demo as demo_mod
     from sam3 import many
+    from sam3.npu import DEFAULT_TIMEOUT
     from sam3.pipeline import Sam3
 
     if args.output:
@@ -232,19 +289,19 @@ def _segment_many(args: argparse.Namespace) -> int:
     paths = many.expand(args.inputs)
     chatty = not (args.quiet or args.json)
     start = time.perf_counter()
-    device = demo_mod.choose_device(args.device, args.bundle, lambda m: print(f"sam3: {m}", file=sys.stderr))
+    device = demo_mod.choose_device(args.device, args.bundle, _note)
     try:
         timeout = demo_mod.EMULATOR_TIMEOUT if device.emulator is not None else DEFAULT_TIMEOUT
-        with Sam3(args.bundle, device, timeout=timeout) as sam:
+        with Sam3(args.bundle, device, timeout=timeout, max_pixels=_max_pixels(args)) as sam:
             loaded = time.perf_counter() - start
             if chatty:
                 where = "emulator" if device.emulator is not None else "NPU"
-                print(f"loaded {args.bundle} ({loaded:.1f} s); mode npu on {where} ({device.name}); "
+                print(f"loaded {shown(args.bundle)} ({loaded:.1f} s); mode npu on {where} ({device.name}); "
                       f"{len(paths)} image(s), {len(args.prompt)} prompt(s)")
             bar = sys.stderr if chatty and sys.stderr.isatty() else None
             summary = many.run(sam, paths, args.prompt, jsonl=_path(args.jsonl), coco=_path(args.coco),
                                out=_path(args.out), resume=args.resume, threshold=args.threshold,
-                               mask_threshold=args.mask_threshold, progress=bar, say=print if chatty else _silent)
+                               mask_threshold=args.mask_threshold, progress=bar, say=_line if chatty else _silent)
     finally:
         device.close()
     if args.json:
@@ -252,13 +309,20 @@ def _segment_many(args: argparse.Namespace) -> int:
                           "load_seconds": loaded, "prompts": args.prompt, "jsonl": args.jsonl, "coco": args.coco,
                           "out": args.out, **summary.as_dict(), "ok": not summary.failed}, allow_nan=False))
     else:
-        print("\n".join(summary.lines()))
+        print("\n".join(map(one_line, summary.lines())))
     if summary.interrupted:
         raise KeyboardInterrupt  # what was done is written: guarded() says "interrupted" and exits 130
     if summary.failed:
         print(f"sam3 segment: {len(summary.failed)} of {summary.images} image(s) failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _max_pixels(args: argparse.Namespace) -> int:
+    """--max-pixels, else the library's default (preprocess.MAX_PIXELS)."""
+    from sam3 import preprocess
+
+    return preprocess.MAX_PIXELS if args.max_pixels is None else int(args.max_pixels)
 
 
 def _path(value: str | None) -> Path | None:
@@ -270,6 +334,8 @@ def _silent(line: str) -> None:
 
 
 def _bundle(args: argparse.Namespace) -> int:
+    from sam3.bundle import Bundle, format_summary, summarize
+
     bundle = Bundle.open(args.bundle)
     try:
         summary = summarize(bundle)
@@ -278,11 +344,13 @@ def _bundle(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"schema": SCHEMA, **summary}, allow_nan=False))
     else:
-        print(format_summary(summary))
+        print(format_summary(_escaped(summary)))  # a manifest's values and names may hold terminal escapes
     return 1 if summary.get("problems") else 0
 
 
 def _download(args: argparse.Namespace) -> int:
+    from sam3.bundle import hub
+
     try:
         where = hub.download(args.repo, args.revision)
     except hub.HubError as e:  # its own line, without the "bundle:" of a bundle's errors
@@ -290,7 +358,7 @@ def _download(args: argparse.Namespace) -> int:
     revision = args.revision or args.repo.partition("@")[2] or hub.DEFAULT_REVISION
     doc = {"schema": SCHEMA, "command": "download", "ok": True, "repo": args.repo.partition("@")[0],
            "revision": revision, "commit": where.name, "path": str(where)}
-    print(json.dumps(doc) if args.json else where)
+    print(json.dumps(doc) if args.json else shown(where))
     return 0
 
 
@@ -310,7 +378,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The `sam3` console script: exit codes, Ctrl-C, a closed or full stdout and an ASCII-only stdout handled as
     by `amdxdna` (`amdxdna_direct.cli.guarded`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return guarded("sam3", lambda: _main(argv), argv, _COMMANDS)
+    return guarded("sam3", lambda: _interruptible(argv), argv, _COMMANDS)
+
+
+def interrupted(argv: Sequence[str] | None = None) -> int:
+    """What a Ctrl-C before `main` could run ends in (`python -m sam3` while importing this module): the line
+    ``sam3 COMMAND: interrupted`` on stderr; returns 130."""
+    return guarded("sam3", _raise_interrupt, list(sys.argv[1:] if argv is None else argv), _COMMANDS)
+
+
+def _raise_interrupt() -> int:
+    raise KeyboardInterrupt
+
+
+def _interruptible(argv: list[str]) -> int:
+    """`_main`, with a Ctrl-C that an import turned into another error (numpy's C API reports an interrupted
+    import of numpy as an ImportError) raised as the KeyboardInterrupt it was."""
+    try:
+        return _main(argv)
+    except Exception as e:
+        if _from_interrupt(e):
+            raise KeyboardInterrupt from None
+        raise
+
+
+def _from_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while handling a KeyboardInterrupt (its cause or context chain holds one)."""
+    seen: BaseException | None = exc
+    for _ in range(64):  # a chain is short; a cycle is not followed for ever
+        if seen is None:
+            return False
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 _COMMANDS = ("demo", "bundle", "segment", "download", "build", "check", "export")
@@ -319,6 +420,8 @@ _COMMANDS = ("demo", "bundle", "segment", "download", "build", "check", "export"
 def _main(argv: list[str]) -> int:
     _log_warnings()
     if argv[:1] == ["build"]:
+        from sam3 import build as build_mod
+
         return build_mod.main(argv[1:], prog="sam3 build")
     if argv[:1] == ["check"]:
         from sam3 import check
@@ -330,6 +433,9 @@ def _main(argv: list[str]) -> int:
         return export.main(argv[1:], prog="sam3 export")
     args = parser().parse_args(argv)
     as_json = getattr(args, "json", False)
+    from sam3.bundle import BundleError
+    from sam3.npu import NpuError
+
     try:
         handler: Any = {"demo": _demo, "bundle": _bundle, "segment": _segment, "download": _download}[args.command]
         return int(handler(args))

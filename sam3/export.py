@@ -16,8 +16,8 @@ bundle); a checkpoint the bundle cannot hold is refused before anything is writt
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
-from sam3 import build, export_text, export_tracker, pack
+from sam3 import build, export_text, export_tracker, pack, userfiles
 from sam3.build import GemmShape, Geometry, GeometryError, MhaShape
 from sam3.bundle import GEMM_KEYS, MHA_KEYS, OP_KEYS, Bundle, BundleWriter
 from sam3.export_text import ExportError
@@ -262,11 +262,11 @@ _PROCESSOR = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_r
 def _check_processor(root: Path, image: int, mask: int) -> None:
     """processor_config.json, when the checkpoint has one, asks for the preprocessing the pipeline implements."""
     path = root / "processor_config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):  # absent; anything else named so is read, and refused unless a regular file
         return
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        data = userfiles.read_json(path)
+    except (OSError, ValueError) as e:
         raise ExportError(f"{path}: cannot read: {e}") from e
     if not isinstance(data, dict):
         raise ExportError(f"{path}: expected a JSON object")
@@ -1009,7 +1009,7 @@ class _Exporter:
         """vocab.json and merges.txt as the checkpoint has them; the pack check's operands for d_s."""
         self.say("tokenizer and pack check")
         for name in TOKENIZER_FILES:
-            self.w.file(name, (self.root / name).read_bytes())
+            self.w.file(name, userfiles.read_bytes(self.root / name, "text"))
         s = self.g.gemms["d_s"]
         rng = np.random.default_rng(0)
         b = (rng.standard_normal((s.k, s.n), dtype=np.float32) / np.float32(math.sqrt(s.k))).astype(np.float32)
@@ -1038,14 +1038,14 @@ class _Reference:
         """Raises ExportError for a missing file or key, a case without image or prompt, or a shape that differs."""
         path = Path(path)
         try:
-            npz = np.load(path, allow_pickle=False)
+            npz = np.load(userfiles.open_binary(path, "npy"), allow_pickle=False)  # the archive keeps the file open
         except (OSError, ValueError) as e:
             raise ExportError(f"{path}: cannot read the reference: {e}") from e
         if not isinstance(npz, np.lib.npyio.NpzFile):
             raise ExportError(f"{path}: holds a single .npy array, expected the reference's .npz archive")
         cases_path = path.parent / "cases.json"
         try:
-            doc = json.loads(cases_path.read_text(encoding="utf-8"))
+            doc = userfiles.read_json(cases_path)
         except (OSError, ValueError) as e:
             raise ExportError(f"{cases_path}: cannot read the cases beside the reference: {e}") from e
         cases = doc.get("cases") if isinstance(doc, dict) else None
@@ -1105,7 +1105,7 @@ class _Reference:
         for i, case in enumerate(self.cases):
             rel = self.image_path(i)
             if rel not in written:
-                w.file(rel, (self.path.parent / case["image"]).read_bytes())
+                w.file(rel, userfiles.read_bytes(self.path.parent / case["image"], "image"))
                 written.add(rel)
         w.record("ref_image", self.image_path(0))
         w.record("ref_prompt", self.cases[0]["prompt"])

@@ -8,7 +8,6 @@ under their bundle names and layouts; ``text_params`` gives the matching params.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 from safetensors import safe_open
 
 from amdxdna_direct.errors import Error
+from sam3 import userfiles
 from sam3.hostmath import f32, to_bf16
 
 # docs/sam3-host.md 6.1: where the CLIP text encoder lives in the checkpoint. The top-level
@@ -36,8 +36,8 @@ class ExportError(Error, ValueError):
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = userfiles.read_json(path)
+    except (OSError, ValueError) as exc:  # userfiles.ReadError: not a regular file, too large, not JSON
         raise ExportError(f"{path}: cannot read: {exc}") from exc
     if not isinstance(data, dict):
         raise ExportError(f"{path}: expected a JSON object, got {type(data).__name__}")

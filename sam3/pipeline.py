@@ -157,15 +157,19 @@ class Sam3:
         bundle: a bundle directory or an open `Bundle`.
         device: anything `sam3.npu.Npu` accepts ("emu", "/dev/accel/accel0", None: the default device).
         max_contexts, chains, timeout: as `Npu`.
+        max_pixels: the largest image file decoded, in pixels (`preprocess.load_rgb`, docs/sam3-segment.md 10.2).
 
     Raises:
         BundleError: the bundle is invalid or lacks a tensor a stage needs.
         NpuError: a kernel failed to load, or does not fit the params.
         XdnaError: the device could not be opened.
+        ValueError: `max_pixels` is not a positive integer (before anything is opened).
     """
 
     def __init__(self, bundle: Bundle | str | os.PathLike[str], device: Any = None, *, max_contexts: int | None = None,
-                 chains: bool | None = None, timeout: float = DEFAULT_TIMEOUT):
+                 chains: bool | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 max_pixels: int = preprocess.MAX_PIXELS):
+        self.max_pixels = preprocess.pixel_limit(max_pixels)
         self.npu = Npu(bundle, device, max_contexts=max_contexts, chains=chains, timeout=timeout)
         try:
             self.bundle = self.npu.bundle
@@ -236,8 +240,7 @@ class Sam3:
 
     # -- the image side -------------------------------------------------------------------------
 
-    @staticmethod
-    def _pixels(image: Any) -> tuple[np.ndarray, tuple[Any, ...]]:
+    def _pixels(self, image: Any) -> tuple[np.ndarray, tuple[Any, ...]]:
         """The image's RGB (a file decoded, or a copy of the array) and its key: the digest of those very pixels,
         so what is reused is what was computed from them (docs/sam3-segment.md 10.2).
 
@@ -245,7 +248,7 @@ class Sam3:
             ImageError: a missing, unreadable or corrupt file, or an array that is not uint8 [H, W, 3].
         """
         if isinstance(image, (str, os.PathLike)):
-            rgb = preprocess.load_rgb(image)
+            rgb = preprocess.load_rgb(image, self.max_pixels)
         else:
             rgb = np.asarray(image)
             if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or 0 in rgb.shape:

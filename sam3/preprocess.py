@@ -10,12 +10,15 @@ Each pass is vectorised over the whole image; the only Python loop is over the f
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, JpegImagePlugin, PngImagePlugin
 
+from amdxdna_direct import files
 from amdxdna_direct.errors import Error
 
 # docs/sam3-host.md 3.2: 22 fraction bits at most (8-bit samples, 2 bits of headroom in an int32 sum);
@@ -23,7 +26,9 @@ from amdxdna_direct.errors import Error
 _MAX_PRECISION = 22
 _WEIGHT_LIMIT = 1 << 15
 WEIGHT_FORMATS = ("int16", "int32")
-_FORMATS = ("JPEG", "PNG")
+# The largest image decoded by default, in pixels (docs/sam3-segment.md 10.2): 8192 x 8192, 64 Mpx; Pillow's own
+# decompression-bomb warning starts above it.
+MAX_PIXELS = 1 << 26
 
 
 class ImageError(Error, ValueError):
@@ -42,36 +47,126 @@ class Taps:
     precision: int      # fraction bits of the weights
 
 
-def load_rgb(path: str | os.PathLike[str]) -> np.ndarray:
-    """Decode a JPEG or PNG file to RGB8, [H, W, 3] uint8 (alpha composited over white, docs/sam3-host.md 3.1).
+def pixel_limit(max_pixels: int) -> int:
+    """``max_pixels`` checked: a positive whole number of pixels (``bool`` is not one).
 
     Raises:
-        ImageError: the file is missing or unreadable, not an image, corrupt or truncated, or neither JPEG nor PNG.
+        ValueError: anything else.
     """
-    path = Path(path)
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels <= 0:
+        raise ValueError(f"max_pixels must be a positive whole number of pixels, got {max_pixels!r}")
+    return max_pixels
+
+
+def load_rgb(path: str | os.PathLike[str], max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """Decode a JPEG (or multi-picture JPEG) or PNG file to RGB8 [H, W, 3] uint8 as displayed (docs/sam3-segment.md 10).
+
+    The file is opened through ``amdxdna_direct.files`` (a regular file of at most 256 MiB); its size in pixels is
+    read from its header and refused above ``max_pixels`` before anything is decoded. The EXIF orientation is
+    applied, a multi-picture JPEG gives its first picture, a 16-bit PNG its high bytes, and alpha is composited
+    over white (docs/sam3-host.md 3.1).
+
+    Raises:
+        ImageError: the file is missing, unreadable or not a regular file, not an image, corrupt or truncated,
+            neither JPEG nor PNG, or more than ``max_pixels`` pixels.
+        ValueError: ``max_pixels`` is not a positive integer.
+    """
+    limit = pixel_limit(max_pixels)
+    name = files.shown(path)
     try:
-        with Image.open(path) as img:
-            if img.format not in _FORMATS:
-                raise ImageError(f"image {path}: format {img.format} is not supported (expected JPEG or PNG)")
-            img.load()
-            return to_rgb(img)
-    except ImageError:
-        raise
+        f = files.open_file(path, "image")
+    except files.FileRefused as exc:
+        raise ImageError(f"image {name}: {exc.reason}") from exc
     except FileNotFoundError as exc:
-        raise ImageError(f"image {path}: no such file") from exc
-    except UnidentifiedImageError as exc:
-        raise ImageError(f"image {path}: not a recognised image file") from exc
-    except (OSError, SyntaxError, ValueError) as exc:  # Pillow reports corrupt or truncated data with these
-        raise ImageError(f"image {path}: cannot decode: {exc}") from exc
+        raise ImageError(f"image {name}: no such file") from exc
+    except OSError as exc:
+        raise ImageError(f"image {name}: cannot open: {exc.strerror or exc}") from exc
+    with f:
+        img = _header(f, name)
+        try:
+            width, height = img.size
+            if width * height > limit:
+                raise ImageError(f"image {name}: {width} x {height} = {width * height} pixels, over the limit of "
+                                 f"{limit} pixels (max_pixels; --max-pixels on the command line)")
+            img.load()
+            return to_rgb(_displayed(img))
+        except ImageError:
+            raise
+        except _DECODE_ERRORS as exc:  # Pillow reports corrupt or truncated data with these
+            raise ImageError(f"image {name}: cannot decode: {exc}") from exc
+        finally:
+            img.close()
+
+
+# What Pillow raises for data it cannot decode (its own Image.open catches the same from a format's reader).
+_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError, struct.error)
+# The signatures of the accepted formats (docs/sam3-segment.md 10.1); 16 bytes name any format Pillow knows.
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_JPEG_SIGNATURE = b"\xff\xd8\xff"
+_PREFIX = 16
+
+
+def _header(f: BinaryIO, name: str) -> Image.Image:
+    """The image of the open file ``f`` with only its header read: PNG or JPEG (an MPO for a multi-picture one).
+
+    The format's reader is called directly, not through ``Image.open``, whose decompression-bomb check would
+    refuse or warn by Pillow's own limit before ours applies (docs/sam3-segment.md 10.2).
+    """
+    prefix = f.read(_PREFIX)
+    f.seek(0)
+    try:
+        if prefix.startswith(_PNG_SIGNATURE):
+            return PngImagePlugin.PngImageFile(f)
+        if prefix.startswith(_JPEG_SIGNATURE):
+            return JpegImagePlugin.jpeg_factory(f)
+    except _DECODE_ERRORS as exc:
+        raise ImageError(f"image {name}: cannot decode: {exc}") from exc
+    other = _format_of(prefix)
+    if other is None:
+        raise ImageError(f"image {name}: not a recognised image file")
+    raise ImageError(f"image {name}: format {other} is not supported (expected JPEG or PNG)")
+
+
+def _format_of(prefix: bytes) -> str | None:
+    """The Pillow format whose signature ``prefix`` has, found by each reader's own test without decoding."""
+    Image.init()
+    return next((fmt for fmt in Image.ID if (test := Image.OPEN[fmt][1]) is not None and test(prefix)), None)
+
+
+def _displayed(img: Image.Image) -> Image.Image:
+    """The picture as a viewer shows it: its EXIF orientation applied (transposed, flipped or rotated), as
+    transformers' ``load_image`` does; a multi-picture file's first picture (the one opened)."""
+    return ImageOps.exif_transpose(img)
 
 
 def to_rgb(img: Image.Image) -> np.ndarray:
-    """A decoded Pillow image as RGB8 [H, W, 3] uint8; any other mode goes through RGBA over a white background."""
+    """A decoded Pillow image as RGB8 [H, W, 3] uint8 (docs/sam3-host.md 3.1).
+
+    RGB as is; a 16-bit or 32-bit greyscale image (``I;16*``, ``I``) by the high byte of each 16-bit sample,
+    as Pillow itself reduces 16-bit colour PNGs; any other mode through RGBA over a white background.
+    """
+    if img.mode in _WIDE_GREY:
+        return _grey16_to_rgb(img)
     if img.mode != "RGB":
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         img = Image.alpha_composite(white, rgba).convert("RGB")
     return np.asarray(img, dtype=np.uint8).copy()
+
+
+# Pillow's greyscale modes wider than 8 bits: a 16-bit greyscale PNG opens as I;16 (as I in older Pillow).
+_WIDE_GREY = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def _grey16_to_rgb(img: Image.Image) -> np.ndarray:
+    """16-bit grey samples (clamped into 0..65535 for mode I) to RGB8 by their high byte; a sample equal to the
+    PNG's transparent grey value (tRNS) is fully transparent, hence white over the white background."""
+    samples = np.clip(np.asarray(img).astype(np.int64), 0, 0xFFFF)
+    grey = (samples >> 8).astype(np.uint8)
+    clear = img.info.get("transparency")
+    if isinstance(clear, int) and not isinstance(clear, bool):
+        grey[samples == clear] = 255
+    return np.repeat(grey[:, :, None], 3, axis=2)
 
 
 def bilinear_taps(in_size: int, out_size: int, weights: str = "int16") -> Taps:
@@ -177,11 +272,11 @@ def preprocess(rgb: np.ndarray, image_size: int) -> np.ndarray:
     return normalize(resize_rgb(rgb, image_size))
 
 
-def preprocess_file(path: str | Path, image_size: int) -> np.ndarray:
+def preprocess_file(path: str | Path, image_size: int, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """Decode an image file and preprocess it: [3, image_size, image_size] float32.
 
     Raises:
-        ImageError: the file cannot be decoded (see ``load_rgb``).
-        ValueError: ``image_size`` is not positive.
+        ImageError: the file cannot be decoded or is over ``max_pixels`` (see ``load_rgb``).
+        ValueError: ``image_size`` or ``max_pixels`` is not positive.
     """
-    return preprocess(load_rgb(path), image_size)
+    return preprocess(load_rgb(path, max_pixels), image_size)

@@ -7,7 +7,6 @@ Sizes come from config.json's `tracker_config` (present both in a `sam3` config 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import numpy.typing as npt
 from safetensors.numpy import load_file
 
 from amdxdna_direct.errors import Error
+from sam3 import userfiles
 
 F32Array = npt.NDArray[np.float32]
 MODEL = "tracker_model."
@@ -133,7 +133,7 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = Path(model_dir) / "config.json"
     try:
-        data = json.loads(path.read_text())
+        data = userfiles.read_json(path)
     except (OSError, ValueError) as e:
         raise TrackerError(f"{path}: cannot read the checkpoint's config ({e})") from e
     if not isinstance(data, dict):
