@@ -95,6 +95,9 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(root, marker, delay):
     if code is None:  # the command had finished before the signal could be sent
         return
     assert "Traceback" not in "\n".join(lines)
+    if code == 0:  # it finished as the signal was sent, before it arrived
+        assert lines == [] and "problems" in out
+        return
     if code == 130:
         assert lines == ["sam3 bundle: interrupted"]
     else:
