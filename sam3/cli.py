@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--resume", action="store_true", help="many images: skip the images the --jsonl file has done")
     s.add_argument("-q", "--quiet", action="store_true", help="many images: no progress bar, no per-image lines")
     s.add_argument("--max-pixels", type=_pixels, metavar="N", help="refuse an image of more than N pixels, from its "
-                   "header (default 67108864, 8192 x 8192: docs/sam3-segment.md 10.2)")
+                   "header (default 67108864, 8192 x 8192: docs/sam3-segment.md 11.2)")
     dl = sub.add_parser("download", help="fetch a bundle from the Hugging Face Hub into its cache",
                         description="Fetches the repository OWNER/NAME with huggingface_hub (the hub extra) into the "
                                     "Hugging Face cache and prints its snapshot directory; bundle arguments then "

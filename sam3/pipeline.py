@@ -157,7 +157,7 @@ class Sam3:
         bundle: a bundle directory or an open `Bundle`.
         device: anything `sam3.npu.Npu` accepts ("emu", "/dev/accel/accel0", None: the default device).
         max_contexts, chains, timeout: as `Npu`.
-        max_pixels: the largest image file decoded, in pixels (`preprocess.load_rgb`, docs/sam3-segment.md 10.2).
+        max_pixels: the largest image file decoded, in pixels (`preprocess.load_rgb`, docs/sam3-segment.md 11.2).
 
     Raises:
         BundleError: the bundle is invalid or lacks a tensor a stage needs.

@@ -26,7 +26,7 @@ from amdxdna_direct.errors import Error
 _MAX_PRECISION = 22
 _WEIGHT_LIMIT = 1 << 15
 WEIGHT_FORMATS = ("int16", "int32")
-# The largest image decoded by default, in pixels (docs/sam3-segment.md 10.2): 8192 x 8192, 64 Mpx; Pillow's own
+# The largest image decoded by default, in pixels (docs/sam3-segment.md 11.2): 8192 x 8192, 64 Mpx; Pillow's own
 # decompression-bomb warning starts above it.
 MAX_PIXELS = 1 << 26
 
@@ -59,7 +59,7 @@ def pixel_limit(max_pixels: int) -> int:
 
 
 def load_rgb(path: str | os.PathLike[str], max_pixels: int = MAX_PIXELS) -> np.ndarray:
-    """Decode a JPEG (or multi-picture JPEG) or PNG file to RGB8 [H, W, 3] uint8 as displayed (docs/sam3-segment.md 10).
+    """Decode a JPEG (or multi-picture JPEG) or PNG file to RGB8 [H, W, 3] uint8 as displayed (docs/sam3-segment.md 11).
 
     The file is opened through ``amdxdna_direct.files`` (a regular file of at most 256 MiB); its size in pixels is
     read from its header and refused above ``max_pixels`` before anything is decoded. The EXIF orientation is
@@ -100,7 +100,7 @@ def load_rgb(path: str | os.PathLike[str], max_pixels: int = MAX_PIXELS) -> np.n
 
 # What Pillow raises for data it cannot decode (its own Image.open catches the same from a format's reader).
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError, struct.error)
-# The signatures of the accepted formats (docs/sam3-segment.md 10.1); 16 bytes name any format Pillow knows.
+# The signatures of the accepted formats (docs/sam3-segment.md 11.1); 16 bytes name any format Pillow knows.
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SIGNATURE = b"\xff\xd8\xff"
 _PREFIX = 16
@@ -110,7 +110,7 @@ def _header(f: BinaryIO, name: str) -> Image.Image:
     """The image of the open file ``f`` with only its header read: PNG or JPEG (an MPO for a multi-picture one).
 
     The format's reader is called directly, not through ``Image.open``, whose decompression-bomb check would
-    refuse or warn by Pillow's own limit before ours applies (docs/sam3-segment.md 10.2).
+    refuse or warn by Pillow's own limit before ours applies (docs/sam3-segment.md 11.2).
     """
     prefix = f.read(_PREFIX)
     f.seek(0)

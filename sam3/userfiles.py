@@ -6,8 +6,9 @@ by ``amdxdna_direct.files`` (docs/files.md 1-3): only a regular file is read (a 
 its ``stat``, before it is opened, so nothing blocks), each within a size limit checked before any byte is read
 and again while reading (docs/files.md 7).
 
-A refusal is a :class:`ReadError` whose text is the reason alone: the caller's message names the file, as it
-does for the file's other errors.
+A refusal of a file parsed or opened here is a :class:`ReadError` whose text is the reason alone (the caller's
+message names the file, as it does for the file's other errors); one of a file copied whole is the runtime's
+``FileRefused``, which names the file.
 """
 
 from __future__ import annotations
@@ -48,16 +49,14 @@ def read_json(path: str | os.PathLike[str], limit: int = JSON_LIMIT) -> Any:
 
 
 def read_bytes(path: str | os.PathLike[str], kind: str) -> bytes:
-    """The whole regular file ``path`` within the limit of ``kind`` (``"text"``, ``"image"``: docs/files.md 3).
+    """The whole regular file ``path`` within the limit of ``kind`` (``"text"``, ``"image"``: docs/files.md 3), for a
+    file copied whole into a bundle: a refusal names the file itself, as the copy has no message of its own.
 
     Raises:
-        ReadError: not a regular file, or over the limit.
+        FileRefused: ``"<path>: is not a regular file (a FIFO)"``, ``"<path>: ... over the 64 MiB limit ..."``.
         OSError: the file cannot be opened or read, unchanged.
     """
-    try:
-        return files.read_file(path, kind)
-    except files.FileRefused as exc:
-        raise ReadError(exc.reason) from exc
+    return files.read_file(path, kind)
 
 
 def open_binary(path: str | os.PathLike[str], kind: str) -> BinaryIO:

@@ -1,4 +1,4 @@
-"""Image decoding as transformers' `load_image` does it (issue 26 item 5; docs/sam3-segment.md 10.1): 16-bit
+"""Image decoding as transformers' `load_image` does it (issue 26 item 5; docs/sam3-segment.md 11.1): 16-bit
 greyscale PNGs reduced by their high byte as Pillow reduces 16-bit colour ones, the EXIF orientation applied
 (boxes and masks in the displayed frame), a multi-picture JPEG (MPO) read as its first picture.
 
