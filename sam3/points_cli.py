@@ -1,9 +1,9 @@
 """`sam3 points BUNDLE IMAGE "x,y[,label];..." [--box x1,y1,x2,y2] [--single] [-o overlay.png] [--json] [--reps N]
 [--device D]`: the masks of a point/box prompt through the bundle's tracker (docs/sam3-cli.md, docs/sam3-tracker.md
-8).
+10).
 
 The prompt's text forms (`parse_points`, `parse_box`, `parse_pcase`) are shared with `sam3 check`'s pcase records;
-masks in `--json` are COCO's compressed RLE (`rle_string`, docs/sam3-tracker.md 8.3).
+masks in `--json` are COCO's compressed RLE (`rle_string`, docs/sam3-tracker.md 10.3).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from sam3.tracker_config import TrackerError
 
 SCHEMA = 1
 
-# COCO's string form of run lengths (docs/sam3-tracker.md 8.3): 5 bits a character, 0x20 "more follows", 0x10 the
+# COCO's string form of run lengths (docs/sam3-tracker.md 10.3): 5 bits a character, 0x20 "more follows", 0x10 the
 # sign of the last group, every character offset by 48 ('0').
 _BITS, _MORE, _SIGN, _OFFSET = 5, 0x20, 0x10, 48
 _GROUPS = 14  # 5-bit groups enough for any int64 delta (14 x 5 = 70 bits)
@@ -105,7 +105,7 @@ def parse_pcase(prompt: str) -> tuple[list[list[float]], list[int], list[float] 
 
 
 # ---------------------------------------------------------------------------------------------
-# COCO's compressed RLE (to be merged with sam3/rle.py)
+# COCO's compressed RLE
 
 
 def _runs(mask: np.ndarray) -> npt.NDArray[np.int64]:

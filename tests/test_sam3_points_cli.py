@@ -60,7 +60,7 @@ def coco_decode(rle: dict) -> np.ndarray:
 
 
 def test_rle_worked_by_hand():
-    """Counts 0, 5, 40, 3 on a 6 x 8 mask (docs/sam3-tracker.md 8.3): "0", "5", 40 = 8 + 1·32 -> "X1", and the
+    """Counts 0, 5, 40, 3 on a 6 x 8 mask (docs/sam3-tracker.md 10.3): "0", "5", 40 = 8 + 1·32 -> "X1", and the
     fourth as 3 - 5 = -2 -> "N"."""
     flat = np.zeros(48, bool)
     flat[:5] = flat[45:] = True
