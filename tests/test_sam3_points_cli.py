@@ -323,23 +323,24 @@ def channels_last(a: np.ndarray) -> np.ndarray:
 
 def with_tracker_reference(root: Path, ref: tf.Reference, cases: dict[int, dict], stage_case: int = 1) -> Path:
     """The tracker reference of docs/sam3-check.md 2.1 and 3.2 added to an exported bundle: `ref.trk.*` from one
-    case (its points, no box, both output modes from its four candidates), a pcase record per case with
-    `pcase.<i>.masks`, `.iou` and the fixture's `.min_iou`."""
+    case (its points and box, both output modes from its four candidates), a pcase record per case with
+    `pcase.<i>.masks`, `.iou` and the fixture's `.min_iou`, `.iou_tol`."""
     s = stage_case
-    c = cases[s]
-    assert c["points"] and not c["box"]
     pick = int(ref(s, "single_choice"))
     f32 = np.float32
     t = {"ref.trk.vit_out": ref(s, "vit_out").astype(f32),
          **{f"ref.trk.emb{j}": channels_last(ref(s, f"image_embeddings.{j}")).astype(f32) for j in range(3)},
-         "ref.trk.points": ref(s, "input_points").astype(f32),
-         "ref.trk.labels": ref(s, "input_labels").astype(np.int32),
          "ref.trk.sparse": ref(s, "sparse_embeddings").astype(f32),
          "ref.trk.multi.masks": ref(s, "all_low_res_masks")[1:].astype(f32),
          "ref.trk.multi.iou": ref(s, "all_iou_scores")[1:].astype(f32),
          "ref.trk.single.masks": ref(s, "all_low_res_masks")[pick:pick + 1].astype(f32),
          "ref.trk.single.iou": ref(s, "all_iou_scores")[pick:pick + 1].astype(f32),
          "ref.trk.obj": ref(s, "object_score_logits").astype(f32)}
+    if ref.has(s, "input_points"):
+        t["ref.trk.points"] = ref(s, "input_points").astype(f32)
+        t["ref.trk.labels"] = ref(s, "input_labels").astype(np.int32)
+    if ref.has(s, "input_boxes"):
+        t["ref.trk.box"] = ref(s, "input_boxes").astype(f32)
     records = []
     (root / "cases").mkdir(exist_ok=True)
     for i, case in sorted(cases.items()):
@@ -475,6 +476,44 @@ def test_pcase_records_a_bundle_cannot_run(checked, tmp_path):
     assert report.failed == ["pcases"] and text[-1] == "FAILED: pcases"
     assert {line.name: line for line in report.lines}["pcases"].detail == \
         "4 pcase record(s), but the bundle has no tracker (param tracker is not 1)"
+
+
+def _reshape_index(root: Path, name: str, shape: str, nbytes: int) -> None:
+    lines = (root / "tensors.txt").read_text().splitlines()
+    lines = [" ".join([f[0], f[1], shape, f[3], str(nbytes)]) if (f := line.split()) and f[0] == name else line
+             for line in lines]
+    (root / "tensors.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_pcase_references_of_another_count_fail(checked, fx, tmp_path):
+    """Two reference masks where the prompt gives three candidates; masks that do not fit the image."""
+    _, cases = fx
+    root = Path(shutil.copytree(checked, tmp_path / "copy"))
+    names = pcase_names(cases)
+    c1, c2 = cases[1], cases[2]
+    _reshape_index(root, "pcase.1.iou", "2", 8)
+    _reshape_index(root, "pcase.1.masks", f"2,{c1['height']},{c1['width']}", 2 * c1["height"] * c1["width"])
+    _reshape_index(root, "pcase.2.masks", f"3,{c2['height']},{c2['width'] - 1}", 3 * c2["height"] * (c2["width"] - 1))
+    report, _ = _check(root)
+    lines = {line.name: line for line in report.lines}
+    assert report.failed == [names[1], names[2]]
+    assert lines[names[1]].detail == "3 mask(s), reference 2"
+    assert lines[names[2]].detail == f"pcase.2.masks holds {3 * 224 * 159} values [3, 224, 159], but 3 mask(s) of " \
+                                     "the 160 x 224 image need 107520"
+
+
+@pytest.mark.parametrize("stage_case", [2, 3])
+def test_tracker_stage_lines_with_a_box(bundles, fx, tmp_path, stage_case):
+    """The stage reference from a point-and-box case and a box-alone one: ref.trk.box read, N + 3 and 3 tokens."""
+    ref, cases = fx
+    root = with_tracker_reference(Path(shutil.copytree(bundles["host"], tmp_path / "b")), ref, cases, stage_case)
+    report, _ = _check(root)
+    lines = {line.name: line for line in report.lines}
+    assert all(lines[name].status == "ok" for name in [*check.TRACKER_STAGES, *pcase_names(cases)])
+    tokens = len(cases[stage_case]["points"]) + 3
+    assert f"over {tokens} tokens" in lines["tracker prompt encoder"].detail
+    assert f"candidate {cases[stage_case]['single_choice']})" in lines["tracker decoder masks"].detail
+    assert report.ok
 
 
 def test_a_tracker_bundle_without_its_reference_skips_with_reasons(bundles):
