@@ -336,6 +336,44 @@ def _best_first(iou: np.ndarray, min_iou: float) -> np.ndarray:
     return which
 
 
+def judge_pcase(ref_masks: np.ndarray, ref_iou: np.ndarray, masks: np.ndarray, iou: np.ndarray,
+                candidates: Sequence[int], min_iou: float = PCASE_MIN_IOU, other_iou: float = PCASE_OTHER_IOU,
+                iou_tol: float = PCASE_IOU_TOL) -> tuple[bool, str]:
+    """Judges a point/box prompt's masks `[n, H, W]` and predicted IoUs against the reference's, mask k with
+    reference mask k (docs/sam3-check.md 3.2): (verdict, the line's detail).
+
+    The reference's best-rated candidate, and any it rates at least WELL_RATED, need a mask IoU above `min_iou`,
+    the others above `other_iou`; every predicted IoU must be within `iou_tol` of the reference's.
+
+    Raises:
+        ValueError: the reference's masks and IoUs disagree in count, or the masks' image sizes differ.
+    """
+    want, rs = np.asarray(ref_masks, bool), np.asarray(ref_iou, np.float64).reshape(-1)
+    if want.ndim != 3 or want.shape[0] != rs.size:
+        raise ValueError(f"reference IoUs [{rs.size}] and masks {list(want.shape)} disagree")
+    n, cands = rs.size, list(candidates)
+    if len(cands) != n:
+        return False, f"{len(cands)} mask(s), reference {n}"
+    ious = np.diag(iou_matrix(want, masks))
+    chosen = (rs >= WELL_RATED) | (np.arange(n) == int(np.argmax(rs)))
+    diffs = np.abs(np.asarray(iou, np.float64).reshape(-1) - rs)
+    problems = [f"candidate {c}: mask IoU {x:.3f} <= {b:g}"
+                for c, x, b in zip(cands, ious.tolist(), np.where(chosen, min_iou, other_iou).tolist(), strict=True)
+                if not x > b]
+    k = int(np.argmax(diffs))
+    if not diffs[k] < iou_tol:
+        problems.append(f"candidate {cands[k]}: IoU score {float(np.reshape(iou, -1)[k]):.4f}, reference "
+                        f"{rs[k]:.4f} (|diff| {diffs[k]:.4f} >= {iou_tol:g})")
+    head = (f"{n} mask(s) (candidate{'s' if n > 1 else ''} {', '.join(map(str, cands))}), mask IoU "
+            + " ".join(f"{x:.3f}" for x in ious.tolist()))
+    if problems:
+        return False, f"{head}: " + "; ".join(problems)
+    picked = ", ".join(str(c) for c, ch in zip(cands, chosen.tolist(), strict=True) if ch)
+    others = f", the others > {other_iou:g}" if not chosen.all() else ""
+    return True, (f"{head}; chosen ({picked}) > {min_iou:g}{others}; max |IoU-score diff| {diffs[k]:.4f} < "
+                  f"{iou_tol:g}")
+
+
 # ---------------------------------------------------------------------------------------------
 # the checks
 
@@ -779,32 +817,10 @@ class _Checker:
         if masks.size != n * h * w:
             raise ValueError(f"pcase.{i}.masks holds {masks.size} values {list(masks.shape)}, but {n} mask(s) of "
                              f"the {w} x {h} image need {n * h * w}")
-        if len(found.candidates) != n:
-            self.verdict("cases", name, False, f"{len(found.candidates)} mask(s), reference {n}", seconds)
-            return
-        ious = np.diag(iou_matrix(masks.reshape(n, h, w) != 0, found.masks))
-        chosen = (ref_iou >= WELL_RATED) | (np.arange(n) == int(np.argmax(ref_iou)))
-        bar, other = self.scalar(f"pcase.{i}.min_iou", PCASE_MIN_IOU), self.scalar(f"pcase.{i}.other_iou",
-                                                                                  PCASE_OTHER_IOU)
-        tol = self.scalar(f"pcase.{i}.iou_tol", PCASE_IOU_TOL)
-        diffs = np.abs(found.iou.astype(np.float64) - ref_iou)
-        cands = found.candidates
-        problems = [f"candidate {c}: mask IoU {x:.3f} <= {b:g}"
-                    for c, x, b in zip(cands, ious.tolist(), np.where(chosen, bar, other).tolist(), strict=True)
-                    if not x > b]
-        k = int(np.argmax(diffs))
-        if not diffs[k] < tol:
-            problems.append(f"candidate {cands[k]}: IoU score {float(found.iou[k]):.4f}, reference {ref_iou[k]:.4f} "
-                            f"(|diff| {diffs[k]:.4f} >= {tol:g})")
-        picked = ", ".join(str(c) for c, ch in zip(cands, chosen.tolist(), strict=True) if ch)
-        head = (f"{n} mask(s) (candidate{'s' if n > 1 else ''} {', '.join(map(str, cands))}), mask IoU "
-                + " ".join(f"{x:.3f}" for x in ious.tolist()))
-        if problems:
-            self.verdict("cases", name, False, f"{head}: " + "; ".join(problems), seconds)
-            return
-        others = f", the others > {other:g}" if not chosen.all() else ""
-        self.verdict("cases", name, True, f"{head}; chosen ({picked}) > {bar:g}{others}; max |IoU-score diff| "
-                     f"{diffs[k]:.4f} < {tol:g}", seconds)
+        bars = (self.scalar(f"pcase.{i}.min_iou", PCASE_MIN_IOU), self.scalar(f"pcase.{i}.other_iou", PCASE_OTHER_IOU),
+                self.scalar(f"pcase.{i}.iou_tol", PCASE_IOU_TOL))
+        ok, detail = judge_pcase(masks.reshape(n, h, w) != 0, ref_iou, found.masks, found.iou, found.candidates, *bars)
+        self.verdict("cases", name, ok, detail, seconds)
 
     # -- all ------------------------------------------------------------------------------------
 

@@ -187,6 +187,22 @@ def as_json(found: PointMasks) -> dict[str, Any]:
 # the command
 
 
+def _forwards(pts: Points, npu: Npu, reps: int, say: bool, *prompt: Any) -> tuple[PointMasks, list[dict[str, Any]]]:
+    """`reps` timed forwards of one prompt (the image side computed by the first); the last one's masks."""
+    forwards = []
+    for rep in range(reps):
+        begin = time.perf_counter()
+        found = pts.segment_points(*prompt)
+        ms = (time.perf_counter() - begin) * 1e3
+        stages = {k: v * 1e3 for k, v in found.timing.items()}
+        forwards.append({"ms": ms, "stages_ms": stages, "loads": npu.loads, "evictions": npu.evictions})
+        if say:
+            times = " ".join(f"{k} {v:.0f}" for k, v in stages.items())
+            print(f"forward {rep}: {ms:.0f} ms (stages: {times} ms; contexts loaded {npu.loads}, evicted "
+                  f"{npu.evictions})")
+    return found, forwards
+
+
 def _run(args: Any, prog: str) -> int:
     if args.reps < 1:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
@@ -205,17 +221,7 @@ def _run(args: Any, prog: str) -> int:
             loaded = time.perf_counter() - start
             if not args.json:
                 print(f"loaded {args.bundle} ({loaded:.1f} s); mode npu on {where}")
-            forwards = []
-            for rep in range(args.reps):
-                begin = time.perf_counter()
-                found = pts.segment_points(rgb, points, labels, box, multimask)
-                ms = (time.perf_counter() - begin) * 1e3
-                stages = {k: v * 1e3 for k, v in found.timing.items()}
-                forwards.append({"ms": ms, "stages_ms": stages, "loads": npu.loads, "evictions": npu.evictions})
-                if not args.json:
-                    times = " ".join(f"{k} {v:.0f}" for k, v in stages.items())
-                    print(f"forward {rep}: {ms:.0f} ms (stages: {times} ms; contexts loaded {npu.loads}, evicted "
-                          f"{npu.evictions})")
+            found, forwards = _forwards(pts, npu, args.reps, not args.json, rgb, points, labels, box, multimask)
     finally:
         device.close()
     doc: dict[str, Any] = {"schema": SCHEMA, "command": "points", "bundle": str(args.bundle), "image": str(args.image),

@@ -411,6 +411,34 @@ def test_check_on_the_exported_tracker_fixture_passes_every_line(checked_report,
     assert lines[single].detail.startswith("1 mask(s) (candidate 0), mask IoU ")
 
 
+def _rows(*spans, h=10, w=10) -> np.ndarray:
+    """Masks [n, h, w], mask k on rows spans[k][0]..spans[k][1] (all columns)."""
+    out = np.zeros((len(spans), h, w), bool)
+    for k, (a, b) in enumerate(spans):
+        out[k, a:b] = True
+    return out
+
+
+def test_judge_pcase_by_hand():
+    ref = _rows((0, 10), (0, 5), (5, 10))
+    nine = _rows((0, 9), (0, 5), (5, 9))      # IoUs 0.9, 1, 0.8
+    ok, detail = check.judge_pcase(ref, [0.9, 0.5, 0.86], ref, [0.91, 0.5, 0.86], [1, 2, 3])
+    assert ok and detail == "3 mask(s) (candidates 1, 2, 3), mask IoU 1.000 1.000 1.000; chosen (1, 3) > 0.98, " \
+                            "the others > 0.85; max |IoU-score diff| 0.0100 < 0.03"
+    ok, detail = check.judge_pcase(ref, [0.9, 0.5, 0.6], nine, [0.9, 0.5, 0.64], [1, 2, 3])
+    assert not ok and detail == "3 mask(s) (candidates 1, 2, 3), mask IoU 0.900 1.000 0.800: candidate 1: mask " \
+                                "IoU 0.900 <= 0.98; candidate 3: mask IoU 0.800 <= 0.85; candidate 3: IoU score " \
+                                "0.6400, reference 0.6000 (|diff| 0.0400 >= 0.03)"
+    ok, detail = check.judge_pcase(ref, [0.9, 0.5, 0.6], nine, [0.9, 0.5, 0.64], [1, 2, 3], 0.85, 0.75, 0.05)
+    assert ok and "chosen (1) > 0.85, the others > 0.75; max |IoU-score diff| 0.0400 < 0.05" in detail
+    ok, detail = check.judge_pcase(ref[:1], [0.3], nine[:1], [0.3], [0])
+    assert not ok and detail == "1 mask(s) (candidate 0), mask IoU 0.900: candidate 0: mask IoU 0.900 <= 0.98"
+    assert check.judge_pcase(ref[:2], [0.3, 0.4], nine, [0.3, 0.4, 0.5], [1, 2, 3]) == (False, "3 mask(s), "
+                                                                                          "reference 2")
+    with pytest.raises(ValueError, match=r"reference IoUs \[2\] and masks \[3, 10, 10\] disagree"):
+        check.judge_pcase(ref, [0.3, 0.4], nine, [0.3, 0.4, 0.5], [1, 2, 3])
+
+
 def _index(root: Path) -> dict[str, tuple[int, int]]:
     rows = {}
     for line in (root / "tensors.txt").read_text().splitlines():
