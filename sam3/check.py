@@ -7,6 +7,8 @@ bundle lacks what a check compares against, `  [info] ...` for what is reported 
   DETR decoder, mask decoder, through one `Sam3` whose contexts load once;
 - end to end: every case record's image file and prompt through `Sam3.segment`, its instances matched by mask
   IoU to the reference's.
+A tracker bundle (`tracker=1`) adds the tracker's stages (its neck, prompt encoder and two-way decoder on the
+`ref.trk.*` references) and its pcase records (points/box prompts end to end through `sam3.points`).
 The last line is `ALL CHECKS PASSED` or `FAILED: <name>, ...`.
 
     from sam3.check import run_check
@@ -30,13 +32,16 @@ import numpy as np
 import numpy.typing as npt
 
 from sam3 import demo as demo_mod
-from sam3 import post, preprocess, text
+from sam3 import post, preprocess, text, tracker_bundle, tracker_decoder, tracker_neck, tracker_post, tracker_prompt
 from sam3.bundle import Bundle, BundleError
 from sam3.hostmath import cosine
 from sam3.npu import DEFAULT_TIMEOUT, NpuError
 from sam3.pack import pack_b
 from sam3.pipeline import Sam3
+from sam3.points import Points
+from sam3.points_cli import parse_pcase
 from sam3.tokenizer import ClipTokenizer
+from sam3.tracker_config import F32Array
 
 SCHEMA = 1
 SECTIONS = {
@@ -64,6 +69,17 @@ CASE_MARGIN = 0.0
 CASE_MIN_IOU = 0.97
 MASK_THRESHOLD = 0.5
 SCORE_TOL = 0.03
+# The tracker's bars (docs/sam3-check.md 2.1, 3.2). The neck's are the detector neck's (NECK_COS).
+TRK_SPARSE_TOL = 1e-4
+TRK_MASK_COS = 0.9999
+TRK_IOU_TOL = 1e-3
+TRK_OBJ_TOL = 1e-2
+# A pcase's defaults when the bundle gives no pcase.<i>.min_iou / .other_iou / .iou_tol: candidates the reference
+# rates at least WELL_RATED (and its best) are "chosen".
+PCASE_MIN_IOU = 0.98
+PCASE_OTHER_IOU = 0.85
+PCASE_IOU_TOL = 0.03
+WELL_RATED = 0.85
 # One uint8 level after normalisation ((v / 255 - 0.5) / 0.5): the unit the image-decoding line reports in.
 LEVEL = 2.0 / 255.0
 # Problems listed in a failing case's line before "and N more".
@@ -73,6 +89,10 @@ _SHOWN = 3
 REFERENCE_OUTPUTS = ("ref.pixel_values", "ref.text", "ref.vit_out", "ref.fpn0", "ref.fpn1", "ref.fpn2", "ref.enc_out",
                      "ref.dec_hidden", "ref.pred_logits", "ref.pred_boxes", "ref.presence", "ref.pred_masks",
                      "ref.semantic")
+TRACKER_OUTPUTS = ("ref.trk.vit_out", "ref.trk.emb0", "ref.trk.emb1", "ref.trk.emb2", "ref.trk.sparse",
+                   "ref.trk.multi.masks", "ref.trk.single.masks", "ref.trk.obj")
+TRACKER_STAGES = ["tracker neck level 0", "tracker neck level 1", "tracker neck level 2", "tracker prompt encoder",
+                  "tracker decoder masks", "tracker decoder IoU", "tracker object score"]
 
 
 @dataclass
@@ -316,8 +336,57 @@ def _best_first(iou: np.ndarray, min_iou: float) -> np.ndarray:
     return which
 
 
+def judge_pcase(ref_masks: np.ndarray, ref_iou: np.ndarray, masks: np.ndarray, iou: np.ndarray,
+                candidates: Sequence[int], min_iou: float = PCASE_MIN_IOU, other_iou: float = PCASE_OTHER_IOU,
+                iou_tol: float = PCASE_IOU_TOL) -> tuple[bool, str]:
+    """Judges a point/box prompt's masks `[n, H, W]` and predicted IoUs against the reference's, mask k with
+    reference mask k (docs/sam3-check.md 3.2): (verdict, the line's detail).
+
+    The reference's best-rated candidate, and any it rates at least WELL_RATED, need a mask IoU above `min_iou`,
+    the others above `other_iou`; every predicted IoU must be within `iou_tol` of the reference's.
+
+    Raises:
+        ValueError: the reference's masks and IoUs disagree in count, or the masks' image sizes differ.
+    """
+    want, rs = np.asarray(ref_masks, bool), np.asarray(ref_iou, np.float64).reshape(-1)
+    if want.ndim != 3 or want.shape[0] != rs.size:
+        raise ValueError(f"reference IoUs [{rs.size}] and masks {list(want.shape)} disagree")
+    n, cands = rs.size, list(candidates)
+    if len(cands) != n:
+        return False, f"{len(cands)} mask(s), reference {n}"
+    ious = np.diag(iou_matrix(want, masks))
+    chosen = (rs >= WELL_RATED) | (np.arange(n) == int(np.argmax(rs)))
+    diffs = np.abs(np.asarray(iou, np.float64).reshape(-1) - rs)
+    problems = [f"candidate {c}: mask IoU {x:.3f} <= {b:g}"
+                for c, x, b in zip(cands, ious.tolist(), np.where(chosen, min_iou, other_iou).tolist(), strict=True)
+                if not x > b]
+    k = int(np.argmax(diffs))
+    if not diffs[k] < iou_tol:
+        problems.append(f"candidate {cands[k]}: IoU score {float(np.reshape(iou, -1)[k]):.4f}, reference "
+                        f"{rs[k]:.4f} (|diff| {diffs[k]:.4f} >= {iou_tol:g})")
+    head = (f"{n} mask(s) (candidate{'s' if n > 1 else ''} {', '.join(map(str, cands))}), mask IoU "
+            + " ".join(f"{x:.3f}" for x in ious.tolist()))
+    if problems:
+        return False, f"{head}: " + "; ".join(problems)
+    picked = ", ".join(str(c) for c, ch in zip(cands, chosen.tolist(), strict=True) if ch)
+    others = f", the others > {other_iou:g}" if not chosen.all() else ""
+    return True, (f"{head}; chosen ({picked}) > {min_iou:g}{others}; max |IoU-score diff| {diffs[k]:.4f} < "
+                  f"{iou_tol:g}")
+
+
 # ---------------------------------------------------------------------------------------------
 # the checks
+
+
+class _TrackerImage:
+    """The tracker's image side on the check's own pipeline: its ViT (no second set of operand buffers) and the
+    tracker neck."""
+
+    def __init__(self, sam: Sam3):
+        self.vit, self.neck = sam.vit, tracker_neck.NpuNeck(sam.npu)
+
+    def __call__(self, pixels: np.ndarray, timing: dict[str, float]) -> list[F32Array]:
+        return self.neck.forward(self.vit.forward(pixels))
 
 
 class _Checker:
@@ -492,6 +561,10 @@ class _Checker:
         self.run("stages", ["DETR decoder hidden", "DETR decoder boxes", "DETR decoder logits", "presence"],
                  self.decoder)
         self.run("stages", ["mask decoder masks", "mask decoder semantic"], self.mask_decoder)
+        if self.p.tracker:
+            self.run("stages", TRACKER_STAGES[:3], self.tracker_neck)
+            self.run("stages", TRACKER_STAGES[3:4], self.tracker_prompt)
+            self.run("stages", TRACKER_STAGES[4:], self.tracker_decoder)
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         start = time.perf_counter()
@@ -610,6 +683,83 @@ class _Checker:
             ok, how = _above(cosine(got, want), bar)
             self.verdict("stages", name, ok, f"cosine {how}", seconds if k == 0 else None)
 
+    # -- the tracker's stages (docs/sam3-check.md 2.1) ------------------------------------------
+
+    @functools.cached_property
+    def trk_image(self) -> _TrackerImage:
+        return _TrackerImage(self.sam)
+
+    @functools.cached_property
+    def points(self) -> Points:
+        """The tracker on this check's pipeline, built on first use.
+
+        Raises:
+            TrackerError, BundleError (ValueErrors): a tracker param or tensor is missing.
+        """
+        cfg = tracker_bundle.config(self.bundle)
+        image_pe = np.array(self.t.get("trk.image_pe", "f32")).reshape(-1, cfg.width)
+        return Points(tracker_bundle.weights(self.bundle, cfg), cfg, self.trk_image, image_pe)
+
+    def trk_level(self, i: int) -> np.ndarray:
+        cfg, channels = self.points.cfg, self.p.trk_out_ch or []  # 3 of them in a tracker bundle (the reader's rule)
+        side = (cfg.mask_side, cfg.mask_side // 2, cfg.grid)[i]
+        return self.ref(f"ref.trk.emb{i}", (side * side, int(channels[i])))
+
+    def tracker_neck(self) -> None:
+        x = self.ref("ref.trk.vit_out", (self.tokens(), self.p.vit_dim))
+        levels, seconds = self.timed(self.trk_image.neck.forward, x)
+        for i, got in enumerate(levels):
+            name = TRACKER_STAGES[i]
+            try:
+                want = self.trk_level(i)
+            except _Missing as e:
+                self.add("stages", name, "skip", str(e))
+                continue
+            ok, how = _above(cosine(got, want), NECK_COS)
+            self.verdict("stages", name, ok, f"cosine {how}", seconds if i == 0 else None)
+
+    def trk_prompt(self) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """The stage prompt in the model frame: points `[n, 2]` and labels, and the box, each None when absent."""
+        points = labels = box = None
+        if self.t.has("ref.trk.points"):
+            points = self.t.get("ref.trk.points", "f32").reshape(-1, 2)
+            labels = self.ref("ref.trk.labels", (len(points),), "i32")
+        if self.t.has("ref.trk.box"):
+            box = self.ref("ref.trk.box", (4,))
+        if points is None and box is None:
+            raise _Missing("no ref.trk.points in the bundle")
+        return points, labels, box
+
+    def tracker_prompt(self) -> None:
+        p = self.points
+        points, labels, box = self.trk_prompt()
+        got, seconds = self.timed(tracker_prompt.sparse, p.weights, p.cfg, points, labels, box)
+        want = self.ref("ref.trk.sparse", got.shape)
+        ok, how = _below(float(np.abs(got.astype(np.float64) - want).max()), TRK_SPARSE_TOL)
+        self.verdict("stages", "tracker prompt encoder", ok, f"max |diff| {how} over {got.shape[0]} tokens", seconds)
+
+    def tracker_decoder(self) -> None:
+        p = self.points
+        n, side = p.cfg.multimask_outputs, p.cfg.mask_side
+        embeddings = [self.trk_level(i) for i in range(3)]
+        self.need("ref.trk.sparse")
+        sparse = self.t.get("ref.trk.sparse", "f32").reshape(-1, p.cfg.width)
+        multi, multi_iou = self.ref("ref.trk.multi.masks", (n, side, side)), self.ref("ref.trk.multi.iou", (n,))
+        single, single_iou = self.ref("ref.trk.single.masks", (1, side, side)), self.ref("ref.trk.single.iou", (1,))
+        obj = float(self.ref("ref.trk.obj", (1,))[0])
+        out, seconds = self.timed(tracker_decoder.decode, p.weights, p.cfg, embeddings, p.image_pe, sparse, p.dense)
+        pick = tracker_post.single_choice(out.masks, out.iou, p.cfg)
+        cm, cs = cosine(out.masks[1:], multi), cosine(out.masks[pick], single)
+        ok, how = _above(min(cm, cs), TRK_MASK_COS)
+        self.verdict("stages", "tracker decoder masks", ok, f"cosine {how} (multimask {cm:.6f}, single mask "
+                     f"{cs:.6f}: candidate {pick})", seconds)
+        diffs = np.abs(np.concatenate([out.iou[1:] - multi_iou, out.iou[pick:pick + 1] - single_iou]))
+        ok, how = _below(float(diffs.max()), TRK_IOU_TOL)
+        self.verdict("stages", "tracker decoder IoU", ok, f"max |diff| {how} over {n} + 1 scores")
+        ok, how = _below(abs(out.object_score - obj), TRK_OBJ_TOL)
+        self.verdict("stages", "tracker object score", ok, f"logit {out.object_score:.4f}, reference {obj:.4f}: "
+                     f"|diff| {how}")
+
     # -- cases ----------------------------------------------------------------------------------
 
     def cases(self) -> None:
@@ -619,9 +769,7 @@ class _Checker:
         for case in self.bundle.cases:
             name = f"{os.path.relpath(case.image, self.bundle.root)} / {json.dumps(case.prompt)}"
             self.run("cases", [name], functools.partial(self.case, case, name))
-        if self.p.tracker or self.bundle.pcases:
-            self.add("cases", "tracker", "skip", "point and box prompts (tracker bundles, pcase records) are not "
-                     "checked: this runtime has no tracker")
+        self.pcases()
 
     def scalar(self, name: str, default: float) -> float:
         return float(self.ref(name, (1,))[0]) if self.t.has(name) else default
@@ -643,10 +791,42 @@ class _Checker:
         verdict = match_case(scores, masks.reshape(scores.size, h, w) != 0, found, threshold, margin, bar)
         self.verdict("cases", name, verdict.ok, verdict.detail, seconds)
 
+    def pcases(self) -> None:
+        """One line per pcase record of a tracker bundle (docs/sam3-check.md 3.2); nothing for other bundles."""
+        pcases = self.bundle.pcases
+        if not self.p.tracker:
+            if pcases:
+                self.add("cases", "pcases", "FAIL", f"{len(pcases)} pcase record(s), but the bundle has no tracker "
+                         "(param tracker is not 1)")
+            return
+        if not pcases:
+            self.add("cases", "pcases", "skip", "no pcase records in the bundle")
+        for case in pcases:
+            name = f"{os.path.relpath(case.image, self.bundle.root)} / {case.prompt}"
+            self.run("cases", [name], functools.partial(self.pcase, case, name))
+
+    def pcase(self, case: Any, name: str) -> None:
+        i = case.index
+        points, labels, box = parse_pcase(case.prompt)
+        self.need(f"pcase.{i}.masks", f"pcase.{i}.iou")
+        ref_iou = self.t.get(f"pcase.{i}.iou", "f32").reshape(-1).astype(np.float64)
+        n = ref_iou.size
+        found, seconds = self.timed(self.points.segment_points, case.image, points, labels, box, n > 1)
+        h, w = found.masks.shape[1:]
+        masks = self.t.get(f"pcase.{i}.masks", "u8")
+        if masks.size != n * h * w:
+            raise ValueError(f"pcase.{i}.masks holds {masks.size} values {list(masks.shape)}, but {n} mask(s) of "
+                             f"the {w} x {h} image need {n * h * w}")
+        bars = (self.scalar(f"pcase.{i}.min_iou", PCASE_MIN_IOU), self.scalar(f"pcase.{i}.other_iou", PCASE_OTHER_IOU),
+                self.scalar(f"pcase.{i}.iou_tol", PCASE_IOU_TOL))
+        ok, detail = judge_pcase(masks.reshape(n, h, w) != 0, ref_iou, found.masks, found.iou, found.candidates, *bars)
+        self.verdict("cases", name, ok, detail, seconds)
+
     # -- all ------------------------------------------------------------------------------------
 
     def all(self) -> None:
-        self.report.reference = bool(self.bundle.cases) or any(self.t.has(n) for n in REFERENCE_OUTPUTS)
+        self.report.reference = (bool(self.bundle.cases) or bool(self.bundle.pcases)
+                                 or any(self.t.has(n) for n in (*REFERENCE_OUTPUTS, *TRACKER_OUTPUTS)))
         if not self.report.reference:
             self.emit(f"note: {self.report.bundle} carries no float32 reference (no ref.* outputs, no case "
                       "records): only the host pieces it holds are checked")

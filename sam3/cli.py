@@ -114,6 +114,7 @@ def parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("export", help="write a bundle from a transformers SAM3 checkpoint (sam3 export --help)",
                    add_help=False)
+    sub.add_parser("points", help="masks of a point/box prompt (sam3 points --help)", add_help=False)
     return p
 
 
@@ -414,7 +415,7 @@ def _from_interrupt(exc: BaseException) -> bool:
     return False
 
 
-_COMMANDS = ("demo", "bundle", "segment", "download", "build", "check", "export")
+_COMMANDS = ("demo", "bundle", "segment", "download", "build", "check", "export", "points")
 
 
 def _main(argv: list[str]) -> int:
@@ -431,6 +432,9 @@ def _main(argv: list[str]) -> int:
         from sam3 import export
 
         return export.main(argv[1:], prog="sam3 export")
+    if argv[:1] == ["points"]:
+        from sam3 import points_cli
+        return points_cli.main(argv[1:], prog="sam3 points")
     args = parser().parse_args(argv)
     as_json = getattr(args, "json", False)
     from sam3.bundle import BundleError
