@@ -3,7 +3,7 @@
 10).
 
 The prompt's text forms (`parse_points`, `parse_box`, `parse_pcase`) are shared with `sam3 check`'s pcase records;
-masks in `--json` are COCO's compressed RLE (`rle_string`, docs/sam3-tracker.md 10.3).
+masks in `--json` are COCO's compressed RLE (`sam3.rle.encode`, docs/sam3-tracker.md 10.3).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from amdxdna_direct.cli import one_line
 from sam3 import demo as demo_mod
-from sam3 import post, preprocess
+from sam3 import post, preprocess, rle
 from sam3.bundle import BundleError
 from sam3.npu import DEFAULT_TIMEOUT, Npu, NpuError
 from sam3.points import PointMasks, Points, check_prompt
@@ -30,8 +30,6 @@ SCHEMA = 1
 
 # COCO's string form of run lengths (docs/sam3-tracker.md 10.3): 5 bits a character, 0x20 "more follows", 0x10 the
 # sign of the last group, every character offset by 48 ('0').
-_BITS, _MORE, _SIGN, _OFFSET = 5, 0x20, 0x10, 48
-_GROUPS = 14  # 5-bit groups enough for any int64 delta (14 x 5 = 70 bits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,46 +106,6 @@ def parse_pcase(prompt: str) -> tuple[list[list[float]], list[int], list[float] 
 # COCO's compressed RLE
 
 
-def _runs(mask: np.ndarray) -> npt.NDArray[np.int64]:
-    """Column-major run lengths, alternating off/on, starting with an off run (0 when the first pixel is on)."""
-    flat = np.asarray(mask, dtype=bool).reshape(-1, order="F")
-    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    bounds = np.concatenate([[0], change, [flat.size]])
-    runs = np.diff(bounds).astype(np.int64)
-    return np.concatenate([[0], runs]) if flat.size and flat[0] else runs
-
-
-def _leb_string(values: npt.NDArray[np.int64]) -> str:
-    """Each value as COCO's characters: 5-bit groups, low first, while what is left is not the sign extension."""
-    if not values.size:
-        return ""
-    shifts = values[:, None] >> (_BITS * np.arange(_GROUPS, dtype=np.int64))[None, :]
-    groups = shifts & 0x1F
-    rest = shifts >> _BITS
-    done = np.where(groups & _SIGN, rest == -1, rest == 0)
-    length = np.argmax(done, axis=1) + 1
-    k = np.arange(_GROUPS)[None, :]
-    chars = (groups | np.where(k < length[:, None] - 1, _MORE, 0)) + _OFFSET
-    text: str = chars[k < length[:, None]].astype(np.uint8).tobytes().decode("ascii")
-    return text
-
-
-def rle_string(mask: np.ndarray) -> dict[str, Any]:
-    """A bool mask `[H, W]` as COCO's compressed RLE, `{"size": [H, W], "counts": "<str>"}`: the column-major runs,
-    each from the third on as its difference from the run two before, in COCO's characters.
-
-    Raises:
-        ValueError: the mask is not 2-D.
-    """
-    m = np.asarray(mask)
-    if m.ndim != 2:
-        raise ValueError(f"rle_string: expected a mask [H, W], got {list(m.shape)}")
-    runs = _runs(m)
-    deltas = runs.copy()
-    deltas[3:] -= runs[1:-2]
-    return {"size": [int(m.shape[0]), int(m.shape[1])], "counts": _leb_string(deltas)}
-
-
 # ---------------------------------------------------------------------------------------------
 # output
 
@@ -178,7 +136,7 @@ def _prompt_line(points: list[list[float]], box: list[float] | None, found: Poin
 
 def as_json(found: PointMasks) -> dict[str, Any]:
     """The masks' part of `--json`: `masks` (candidate, iou, pixels, COCO RLE), `object_score_logit`, `stability`."""
-    masks = [{"candidate": c, "iou": float(s), "pixels": n, "mask": rle_string(m)}
+    masks = [{"candidate": c, "iou": float(s), "pixels": n, "mask": rle.encode(m)}
              for c, s, n, m in zip(found.candidates, found.iou.tolist(), found.pixels(), found.masks, strict=True)]
     return {"masks": masks, "object_score_logit": float(found.object_score), "stability": float(found.stability)}
 
