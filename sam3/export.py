@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from sam3 import build, export_text, export_tracker, pack, userfiles
 from sam3.build import GemmShape, Geometry, GeometryError, MhaShape
-from sam3.bundle import GEMM_KEYS, MHA_KEYS, OP_KEYS, Bundle, BundleWriter
+from sam3.bundle import GEMM_KEYS, MHA_KEYS, OP_KEYS, Bundle, BundleError, BundleWriter, consistency
 from sam3.export_text import ExportError
 from sam3.hostmath import f32
 from sam3.kernels import rope_table
+from sam3.tokenizer import ClipTokenizer, TokenizerError
 
 __all__ = ["RESIDUALS", "VIT_MODES", "ExportError", "Model", "export", "geometry", "main", "read_model",
            "rope_angles", "sine_position", "tiled_position"]
@@ -542,7 +543,10 @@ class _Checkpoint:
         self.read: set[str] = set()
 
     def _open(self) -> None:
-        self._file = safe_open(str(self.path), framework="numpy")
+        try:
+            self._file = safe_open(str(self.path), framework="numpy")
+        except SafetensorError as e:  # a malformed header: safetensors checks it (docs/sam3-export.md 1)
+            raise ExportError(f"{self.path}: not a safetensors file: {e}") from e
         self._st = self._file.__enter__()
 
     def release(self) -> None:
@@ -556,6 +560,21 @@ class _Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._st.get_slice(name).get_shape())
+
+    def bound(self, m: Model) -> None:
+        """Every layer count of the config against the checkpoint's own tensors, before a list of the wanted tensors
+        is built from them: each layer holds tensors of its own, so a count above the tensor count is absurd.
+
+        Raises:
+            ExportError: names the config key, its value and the checkpoint's tensor count.
+        """
+        counts = (("vision_config.backbone_config.num_hidden_layers", m.vit_layers),
+                  ("detr_encoder_config.num_layers", m.d_layers), ("detr_decoder_config.num_layers", m.dec_layers),
+                  ("text_config.num_hidden_layers", int(m.text["text_layers"])))
+        for key, value in counts:
+            if value > len(self.names):
+                raise ExportError(f"{self.path.parent / CONFIG}: {key} = {value}, more than the {len(self.names)} "
+                                  f"tensors of {self.path.name} hold")
 
     def check(self, wanted: Mapping[str, tuple[int, ...]]) -> None:
         """Every tensor of `wanted` is present with its shape.
@@ -688,6 +707,7 @@ def export(model_dir: str | Path, out_dir: str | Path, *, vit: str = "device", r
         ref = _Reference.load(reference, model) if reference is not None else None
         ckpt = _Checkpoint(root / WEIGHTS)
         try:
+            ckpt.bound(model)
             ckpt.check(image_tensors(model))
             say(f"{root}: SAM3 {model.image_size} px, ViT {model.vit_dim} x {model.vit_layers}, DETR "
                 f"{model.d_model} x {model.d_layers}/{model.dec_layers}, text {model.text['text_dim']} x "
@@ -698,6 +718,7 @@ def export(model_dir: str | Path, out_dir: str | Path, *, vit: str = "device", r
             try:
                 with w:
                     _Exporter(w, ckpt, root, model, g, variant, kb, ref, say).write()
+                _check_written(out)
             except BaseException:
                 _remove_partial(out, existed)
                 raise
@@ -707,6 +728,20 @@ def export(model_dir: str | Path, out_dir: str | Path, *, vit: str = "device", r
         if kb is not None:
             kb.close()
     return out
+
+
+def _check_written(out: Path) -> None:
+    """The written bundle opens, keeps the rules a run relies on and its tokenizer builds (docs/sam3-export.md 1).
+
+    Raises:
+        ExportError: "the written bundle does not open: ..." with the reader's or tokenizer's one line.
+    """
+    try:
+        with Bundle.open(out) as b:
+            consistency.check(b)
+            ClipTokenizer.from_bundle(b)
+    except (BundleError, TokenizerError) as e:
+        raise ExportError(f"{out}: the written bundle does not open: {e}") from e
 
 
 def _remove_partial(out: Path, existed: bool) -> None:
@@ -1027,6 +1062,13 @@ _PACK_EDGE = np.array([64, 14.9375, 106.5, 94.5, 0, -1.5, -2.5, 3], np.float32)
 # The reference
 
 
+def _inside(directory: Path, name: str) -> Path | None:
+    """`directory / name` with links resolved, or None when that leaves `directory` (docs/sam3-export.md 9)."""
+    base = directory.resolve()
+    path = (base / name).resolve()
+    return path if path != base and path.is_relative_to(base) else None
+
+
 class _Reference:
     """A reference.npz and its cases.json (docs/sam3-export.md 9), checked against the model's sizes."""
 
@@ -1084,7 +1126,11 @@ class _Reference:
             for fld in ("image", "prompt"):
                 if not isinstance(case.get(fld), str) or not case[fld].strip():
                     raise ExportError(f"{where}: field {fld!r} missing or empty")
-            if not (self.path.parent / case["image"]).is_file():
+            inside = _inside(self.path.parent, case["image"])
+            if inside is None:
+                raise ExportError(f"{where}: image {case['image']!r} is not a file inside the reference's directory "
+                                  f"{self.path.parent}")
+            if not inside.is_file():
                 raise ExportError(f"{where}: image {self.path.parent / case['image']} not found")
             rgb = self.get(i, "rgb")
             if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:

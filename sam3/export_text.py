@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from amdxdna_direct.errors import Error
 from sam3 import userfiles
@@ -141,7 +141,11 @@ def text_tensors(checkpoint_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]
     path = root / WEIGHTS_FILE
     if not path.is_file():
         raise ExportError(f"{path}: no such file (the checkpoint's weights)")
-    with safe_open(str(path), framework="numpy") as st:
+    try:
+        handle = safe_open(str(path), framework="numpy")
+    except SafetensorError as e:
+        raise ExportError(f"{path}: not a safetensors file: {e}") from e
+    with handle as st:
         names = set(st.keys())
         for entry in plan:
             for source in entry.sources:

@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from sam3 import decoder as decoder_mod
 from sam3 import detr, many, mask, neck, post, preprocess, text, vit
-from sam3.bundle import Bundle
+from sam3.bundle import Bundle, consistency
 from sam3.npu import DEFAULT_TIMEOUT, Npu, NpuError
 from sam3.tokenizer import ClipTokenizer
 
@@ -174,6 +174,7 @@ class Sam3:
         try:
             self.bundle = self.npu.bundle
             self.params = self.bundle.params
+            consistency.check(self.bundle)  # before any stage divides by a param (docs/sam3-bundle.md 12)
             self.tokenizer = ClipTokenizer.from_bundle(self.bundle)
             self.vit = vit.Vit(self.npu)
             self.neck = neck.Neck(self.npu)

@@ -362,3 +362,133 @@ def test_regression_a_manifest_path_with_a_nul_is_a_bundle_error(tmp_path):
         Bundle.open(root)
     assert str(e.value).startswith(f"manifest.txt:{line + 1}: xclbin path 'kernels/a\\x00b.xclbin' contains a NUL "
                                    "character")
+
+
+# --------------------------------------------------------------------------------------------- Sam3 and export
+
+
+def _param_mutation(rng: random.Random, lines: list[str]) -> tuple[str, list[str]]:
+    """A param or kernel-record value changed to 0, 1, a small odd size or an absurd one; or a record deleted."""
+    at = rng.choice([i for i, ln in enumerate(lines) if ln.split(" ", 1)[0] in ("param", "gemm", "mha", "op")])
+    fields = lines[at].split(" ")
+    value = rng.choice(("0", "1", "3", "7", "1000000", "99999999999"))
+    if fields[0] == "param" and rng.random() < 0.8:
+        fields[2:] = [value]
+    elif fields[0] != "param" and rng.random() < 0.8:
+        j = rng.choice([j for j, f in enumerate(fields) if "=" in f and f.split("=")[0] not in ("ctx", "insts",
+                                                                                                 "xclbin", "name")])
+        fields[j] = fields[j].split("=")[0] + "=" + value
+    else:
+        return f"delete line {at + 1}", lines[:at] + lines[at + 1:]
+    return f"line {at + 1} := {' '.join(fields)[:60]!r}", lines[:at] + [" ".join(fields)] + lines[at + 1:]
+
+
+def test_fuzz_bundles_through_sam3(traced, tmp_path):
+    """Mutated built bundles through Sam3() open and segment: the result or one of the project's errors (the
+    `amdxdna_direct.errors.Error` root every documented error has: BundleError, NpuError, TextError, ...)."""
+    import numpy as np
+
+    from amdxdna_direct.errors import Error
+    from sam3 import build
+    from sam3.pipeline import Sam3
+
+    base = build.build(tmp_path / "base", "tiny", variant="host")
+    root = tmp_path / "fuzz"
+    shutil.copytree(base, root)
+    text = (base / "manifest.txt").read_text()
+    rng = random.Random(26)
+    meter = Meter("sam3 bundle")
+    image = np.zeros((12, 9, 3), np.uint8)
+
+    def run() -> None:
+        try:
+            with Sam3(root, "emu") as sam:
+                sam.segment(image, "a cat")
+        except Error as e:
+            raise BundleError(f"documented: {type(e).__name__}") from e
+
+    # The emulator's device memory is most of a run's peak: the bound is the unmutated bundle's run, twice.
+    tracemalloc.reset_peak()
+    base_mem = tracemalloc.get_traced_memory()[0]
+    run()
+    allowance = 2 * (tracemalloc.get_traced_memory()[1] - base_mem) // MEMORY_PER_BYTE
+    for case in range(60):
+        lines, steps = text.split("\n"), []
+        for _ in range(rng.randrange(1, 3)):
+            step, lines = _param_mutation(rng, lines)
+            steps.append(step)
+        data = "\n".join(lines)
+        (root / "manifest.txt").write_text(data)
+        meter.run(f"sam3 case {case} ({'; '.join(steps)})", len(data) + allowance, run)
+    meter.report()
+
+
+def _safetensors_mutation(rng: random.Random, data: bytes) -> tuple[str, bytes]:
+    """A mutation of the header (its JSON as text) or of the length prefix."""
+    (length,) = struct.unpack_from("<Q", data)
+    header = data[8:8 + length].decode()
+    kind = rng.randrange(6)
+    if kind == 0:
+        value = rng.choice((0, 1, length - 1, length + 1, len(data), 1 << 40, (1 << 64) - 1))
+        return f"length := {value}", struct.pack("<Q", value) + data[8:]
+    if kind == 1:
+        return "dtype := Q9", data[:8] + header.replace('"F32"', '"Q9"', 1).encode() + data[8 + length:]
+    if kind == 2:
+        new = header.replace("[", "[-1, ", 1)
+        return "a negative dim", struct.pack("<Q", len(new)) + new.encode() + data[8 + length:]
+    if kind == 3:
+        new = header.replace("[", "[4294967296, ", 1)
+        return "a huge dim", struct.pack("<Q", len(new)) + new.encode() + data[8 + length:]
+    if kind == 4:
+        new = header.replace('"data_offsets":[', '"data_offsets":[9', 1)
+        return "an offset shifted", struct.pack("<Q", len(new)) + new.encode() + data[8 + length:]
+    cut = rng.randrange(len(data))
+    return f"truncate@{cut}", data[:cut]
+
+
+def test_fuzz_checkpoints_through_export(traced, tmp_path):
+    """Mutated safetensors headers and config values through sam3 export: exit 1 with one line naming the file, or
+    a bundle (which then opens): never a traceback."""
+    import json
+
+    from fixture_files import REPO_FIXTURES
+
+    from sam3 import export
+
+    hf = REPO_FIXTURES / "sam3-tiny" / "hf"
+    if not (hf / "model.safetensors").is_file():
+        pytest.skip(f"fixture {hf} absent (tests/fixtures incomplete in this checkout)")
+    weights = (hf / "model.safetensors").read_bytes()
+    config = json.loads((hf / "config.json").read_text())
+    root = tmp_path / "hf"
+    root.mkdir()
+    for f in hf.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (root / f.name).symlink_to(f)
+    rng = random.Random(7)
+    meter = Meter("export")
+    sizes = [("vision_config", "backbone_config", "num_hidden_layers"), ("detr_encoder_config", "num_layers"),
+             ("text_config", "num_hidden_layers"), ("vision_config", "fpn_hidden_size"),
+             ("detr_decoder_config", "num_queries"), ("text_config", "layer_norm_eps")]
+    for case in range(30):
+        cfg, data = json.loads(json.dumps(config)), weights
+        if rng.random() < 0.5:
+            step, data = _safetensors_mutation(rng, weights)
+        else:
+            *path, key = rng.choice(sizes)
+            node = cfg
+            for p in path:
+                node = node[p]
+            node[key] = rng.choice((None, {"a": 1}, [1, 2], -3, 0, 10 ** 8, 1e300, "8", True, 3))
+            step = f"config {'.'.join([*path, key])} := {node[key]!r}"
+        (root / "model.safetensors").write_bytes(data)
+        (root / "config.json").write_text(json.dumps(cfg))
+        out = tmp_path / f"out{case}"
+
+        def run(out: Path = out) -> None:
+            if export.main(["--model", str(root), "--out", str(out), "--vit", "host"]) != 0:
+                assert not out.exists()
+                raise BundleError("exit 1")
+
+        meter.run(f"export case {case} ({step})", len(data), run)
+    meter.report()

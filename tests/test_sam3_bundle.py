@@ -1069,6 +1069,13 @@ def test_summarize_hand_bundle(tmp_path):
         "tensor t.tok_emb: offset 1296 is not 64-byte aligned",
         "tensor t.tok_emb overlaps tensor v.pos in tensors.bin",
         f"case 0 image (line {line['0']}): cases/none.jpg: no such file",
+        # The consistency rules of docs/sam3-bundle.md 12, by hand: vit_dim 64, neck_splits 64+128+32, T = 8^2.
+        f"manifest.txt:{line['v_qkv']}: gemm v_qkv: K=8, the params need vit_dim = 64",
+        f"manifest.txt:{line['v_qkv']}: gemm v_qkv: N=16, the params need 3 * vit_dim = 192",
+        f"manifest.txt:{line['n_in']}: gemm n_in: K=8, the params need vit_dim = 64",
+        f"manifest.txt:{line['n_in']}: gemm n_in: N=8, the params need s0 + s1 + s2 = 224",
+        f"manifest.txt:{line['mha_d']}: mha mha_d: heads=2 seq=4 d=8 token_major=1, the params need heads=2 seq=64 "
+        "d>=16 token_major=1",
     ]
     assert sorted(s["problems"]) == sorted(expected)
 

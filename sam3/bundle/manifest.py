@@ -498,6 +498,11 @@ class Params:
         rec = self._records.get(name)
         return rec.error(msg) if rec is not None else BundleError(f"{MANIFEST}: {msg}")
 
+    def where(self, name: str) -> str:
+        """`manifest.txt:<line>` of `param <name>` (`manifest.txt` alone when it has no record)."""
+        rec = self._records.get(name)
+        return f"{MANIFEST}:{rec.line}" if rec is not None else MANIFEST
+
     def has(self, name: str) -> bool:
         """Whether the manifest has `param <name>`."""
         return name in self.raw

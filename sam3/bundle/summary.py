@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import consistency
 from .manifest import (
     BLOB,
     FLAG_PARAMS,
@@ -132,6 +133,7 @@ class _Summary:
             if t.offset % WRITE_ALIGN:
                 self.problems.append(f"tensor {t.name}: offset {t.offset} is not 64-byte aligned")
         self._overlaps()
+        self.problems += consistency.problems(b)
         for c in [*b.cases, *b.pcases]:
             self._file(c.image, f"case {c.index} image (line {c.line})")
         if b.ref_image is not None:
