@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (tests/test_clean_clone.py)."""
     listing = os.environ.get("AMDXDNA_CLEAN_CLONE_COVERED")
     if listing and os.environ.get("AMDXDNA_CLEAN_CLONE_RUN"):
-        covered = set(Path(listing).read_text().split())
+        covered = set(Path(listing).read_text().splitlines())
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in covered])
         items[:] = [item for item in items if item.nodeid not in covered]
     items.sort(key=lambda item: item.path.name == CLEAN_CLONE)

@@ -157,4 +157,4 @@ def test_an_error_naming_a_hostile_image_path_is_one_line(root, tmp_path, capsys
     assert main(["segment", str(root), str(missing), "a cat", "--device", "emu:npu4"]) == 1
     out, err = capsys.readouterr()
     _clean(out + err)
-    assert err.count("\n") == 1 and err.endswith(": No such file or directory\n")
+    assert err.count("\n") == 1 and err.endswith(": no such file\n")
