@@ -62,6 +62,12 @@ HEADERS = {
                          b"\0" * 4),
     "overlapping offsets": _header(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
                                    b'"b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4),
+    "duplicate keys": _header(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                              b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8),
+    "offsets reversed": _header(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', b"\0" * 4),
+    "a fractional dim": _header(b'{"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}', b"\0" * 4),
+    "metadata not strings": _header(b'{"__metadata__": {"x": 1}}'),
+    "a tensor that is not an object": _header(b'{"a": 7}'),
 }
 
 
