@@ -60,6 +60,13 @@ def _int(cfg: dict[str, Any], path: Path, *keys: str) -> int:
     return value
 
 
+def _eps(cfg: dict[str, Any], path: Path, *keys: str) -> float:
+    value = _key(cfg, path, *keys)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise ExportError(f"{path}: {'.'.join(keys)} = {value!r}, expected a small positive number")
+    return float(value)
+
+
 def sam3_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     """``config.json`` of a SAM3 checkpoint.
 
@@ -97,7 +104,7 @@ def text_params(checkpoint_dir: str | Path) -> dict[str, int | float]:
         "text_heads": _int(cfg, cfg_path, *tc, "num_attention_heads"),
         "text_layers": _int(cfg, cfg_path, *tc, "num_hidden_layers"),
         "text_ffn": _int(cfg, cfg_path, *tc, "intermediate_size"),
-        "text_eps": float(_key(cfg, cfg_path, *tc, "layer_norm_eps")),
+        "text_eps": _eps(cfg, cfg_path, *tc, "layer_norm_eps"),
     }
     if params["text_dim"] % params["text_heads"]:
         raise ExportError(f"{cfg_path}: text_config.hidden_size {params['text_dim']} is not divisible by "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import ml_dtypes
 import numpy as np
 
 from amdxdna_direct.errors import Error
@@ -57,7 +58,12 @@ def weight(weights: Weights, name: str, shape: tuple[int, ...]) -> np.ndarray:
 def _tensor(weights: Weights, name: str) -> np.ndarray:
     if name not in weights:
         raise TextError(f"text encoder: tensor {name} missing from the weights")
-    return np.asarray(weights.get(name))
+    arr = np.asarray(weights.get(name))
+    # Weights are floats, bfloat16 or its uint16 bits (docs/sam3-host.md 5.1): other integers would be read as
+    # other numbers.
+    if arr.dtype.kind != "f" and arr.dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)):
+        raise TextError(f"text encoder: tensor {name} is {arr.dtype}, expected float32 or bfloat16")
+    return arr
 
 
 def valid_length(ids: np.ndarray, mask: np.ndarray, length: int) -> int:

@@ -122,3 +122,18 @@ def test_a_text_tensor_of_the_wrong_size_is_refused(base, tmp_path):
 def test_the_unchanged_bundle_still_segments(base):
     with Sam3(base, "emu") as sam:
         assert len(sam.segment(np.zeros((12, 9, 3), np.uint8), "a cat", threshold=0.0)) == 4  # queries
+
+
+def test_the_text_encoder_refuses_integer_weights_given_directly(base):
+    """The stage itself, called without Sam3 (a dict or the store): an i32 weight is refused, not reinterpreted."""
+    from sam3 import text
+    from sam3.text import TextError
+
+    with Bundle.open(base) as b:
+        weights = {n: np.asarray(b.tensors.get(n)) for n in b.tensors.names() if n.startswith("t.")}
+        ids, mask = np.zeros(b.params.text_len, np.int32), np.zeros(b.params.text_len, np.int32)
+        ids[:2], mask[:2] = (b.params.bos, b.params.eos), 1
+        assert text.encode_text(ids, mask, weights, b.params).shape == (b.params.text_len, b.params.d_model)
+        weights["t.0.ln1.w"] = weights["t.0.ln1.w"].view(np.int32)
+        with pytest.raises(TextError, match=r"tensor t.0.ln1.w is int32, expected float32 or bfloat16"):
+            text.encode_text(ids, mask, weights, b.params)

@@ -62,6 +62,12 @@ HEADERS = {
                          b"\0" * 4),
     "overlapping offsets": _header(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
                                    b'"b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4),
+    "duplicate keys": _header(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                              b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8),
+    "offsets reversed": _header(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', b"\0" * 4),
+    "a fractional dim": _header(b'{"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}', b"\0" * 4),
+    "metadata not strings": _header(b'{"__metadata__": {"x": 1}}'),
+    "a tensor that is not an object": _header(b'{"a": 7}'),
 }
 
 
@@ -121,3 +127,13 @@ def test_a_reference_image_outside_its_directory_is_refused(tmp_path, capsys):
     out = tmp_path / "out"
     line = _fails(capsys, HF, out, "--reference", str(ref / "reference.npz"))
     assert "case 0: image '../x' is not a file inside the reference's directory" in line
+
+
+@pytest.mark.parametrize("value", [None, "1e-5", [1e-5], 0, -1e-5, 2.0, True])
+def test_a_text_eps_that_is_not_a_small_number_names_the_field(tmp_path, capsys, value):
+    _need_fixture()
+    cfg = json.loads((HF / "config.json").read_text())
+    cfg["text_config"]["layer_norm_eps"] = value
+    root = _copy(tmp_path, "config.json", json.dumps(cfg).encode())
+    line = _fails(capsys, root, tmp_path / "out")
+    assert "config.json: text_config.layer_norm_eps = " in line and "expected a small positive number" in line
