@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import abi, cmd
+from . import abi, cmd, trace
 from . import insts as insts_mod
 from .bo import Bo, unhold
 from .device import release_steps
@@ -293,20 +293,22 @@ class Run:
         self._pin = _Pin(self._lock)
         self._unpin: Any = None
         self.packet = ctx.device.bo(CMD_BO_SIZE, "cmd")
+        self.chain: Bo | None = None        # the one-command chain it is submitted as, when it must be one
         try:
             self._view = self.packet.owner_view()
             self._head = self._view.cast("I")       # the header word, for the state nibble
+            self._state_view = self._view           # the packet the driver writes the outcome into
             self.words = cmd.payload_words(len(self._regmap))
             self._encode()
             # A sub-buffer carries its parent's handle, so the parent is listed once (docs/xrt-sequence.md 1.5).
             self.handles = _dedup(bo.handle for bo in bos)
             self._bos = tuple(dict.fromkeys(bos))   # checked for closed-ness at every start
-            self._exec = _Exec(ctx, self.packet.handle, self.handles)
+            self._exec = self._submission(ctx)
             self._wait = _Waiter(ctx)
-            self._pin.hold((self.packet,), "prepare")
+            self._pin.hold((self.packet,) if self.chain is None else (self.packet, self.chain), "prepare")
             self._unpin = _pinned(self, self._pin, ctx.device.file)
         except BaseException:
-            release_steps(self._pin.release, self.packet.close)
+            release_steps(self._pin.release, self.packet.close, *(() if self.chain is None else (self.chain.close,)))
             raise
         self.seq: int | None = None
         self.elapsed: float | None = None
@@ -319,11 +321,33 @@ class Run:
         self._claimed_by: RunList | None = None     # the RunList whose submission holds this packet
         ctx.track(self)
 
+    def _submission(self, ctx: HwContext) -> _Exec:
+        """The EXEC_CMD of this run: its packet, or a one-command chain of it where the driver would refuse the
+        packet alone (more payload words than a single firmware message holds before feature level 0.6,
+        docs/runtime.md 1.4); the trace says which."""
+        version = ctx.device.version
+        limit = cmd.lone_command_limit(cmd.ERT_START_CU, version.major, version.minor)
+        if limit is None or self.words <= limit:
+            return _Exec(ctx, self.packet.handle, self.handles)
+        self.chain = ctx.device.bo(CMD_BO_SIZE, "cmd")
+        chain_view = self.chain.owner_view()
+        cmd.encode_chain(chain_view, [self.packet.handle])
+        self._state_view, self._head = chain_view, chain_view.cast("I")
+        file = ctx.device.file
+        trace.note(file.name, f"{self.kernel.name} run (cmd_handles={self.packet.handle}): {self.words} payload words "
+                              f"exceed the {limit} a lone ERT_START_CU carries under driver {version.major}."
+                              f"{version.minor}; submitted as a one-command ERT_CMD_CHAIN (cmd_handles="
+                              f"{self.chain.handle})")
+        # A chain lists its sub-command packet among the arguments (docs/uapi.md 6.5).
+        return _Exec(ctx, self.chain.handle, _dedup([*self.handles, self.packet.handle]))
+
     def _encode(self) -> None:
         cmd.encode_start_cu(self._view, self.kernel.cu_index, self._regmap)
+        if self.chain is not None:      # rebuilt with it: the driver writes error_index into the chain
+            cmd.encode_chain(self._state_view, [self.packet.handle])
 
     def __repr__(self) -> str:
-        state = "closed" if self._pin.closed or self.packet.closed else cmd.state_name(cmd.read_state(self._view))
+        state = "closed" if self.closed else cmd.state_name(cmd.read_state(self._state_view))
         return f"<Run {self.kernel.name} seq={self.seq} state={state}>"
 
     @property
@@ -480,7 +504,7 @@ class Run:
             if state == cmd.ERT_CMD_STATE_COMPLETED:
                 return state
             self._clobbered = state in _CLOBBERED
-            error = _command_error(self.kernel.name, state, seq, self.ctx, self._view)
+            error = _command_error(self.kernel.name, state, seq, self.ctx, self._state_view, health_packet=self._view)
         raise _classified(error, self.ctx)
 
     def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
@@ -508,7 +532,8 @@ class Run:
 
     def close(self) -> None:
         """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread."""
-        release_steps(self._unpin or self._pin.release, self.packet.close)
+        release_steps(self._unpin or self._pin.release, self.packet.close,
+                      *(() if self.chain is None else (self.chain.close,)))
 
     def __enter__(self) -> Run:
         return self
