@@ -21,7 +21,7 @@ import numpy as np
 from . import abi, cmd, trace
 from . import insts as insts_mod
 from .bo import Bo, unhold
-from .device import release_steps
+from .device import gem_close, release_steps
 from .errors import CommandError, CommandTimeout, DeviceLostError, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
@@ -275,6 +275,28 @@ def _pinned(owner: object, pin: _Pin, file: Any) -> Any:
     return release
 
 
+def _keep_on_device(file: Any, bos: Iterable[Bo], what: str) -> Any:
+    """Keep the buffers of a command still on the device (its wait expired before the driver finished or aborted
+    it, docs/runtime.md 3.4): one more holder of each GEM handle and of each mapping, so that a close of a buffer
+    meanwhile unmaps and GEM_CLOSEs it only when the returned release runs (idempotent; the device file runs it
+    too, when it closes)."""
+    handles: list[int] = []
+    mappings: list[CpuMapping] = []
+    for bo in dict.fromkeys(bo.parent or bo for bo in bos):
+        if bo.closed:
+            continue
+        mappings.extend(bo.hold(what))
+        file.ref_handle(bo.handle)
+        handles.append(bo.handle)
+    return file.register(_let_go, file, tuple(handles), tuple(mappings))
+
+
+def _let_go(file: Any, handles: tuple[int, ...], mappings: tuple[CpuMapping, ...]) -> None:
+    # The deferred munmaps first, then GEM_CLOSE of the handles whose Bo was closed meanwhile (docs/runtime.md 3.4).
+    release_steps(lambda: unhold(mappings),
+                  *(lambda h=h: gem_close(file, h) if file.unref_handle(h) else None for h in handles))
+
+
 class Run:
     """One prepared kernel invocation with its own reusable command buffer.
 
@@ -319,6 +341,7 @@ class Run:
         self._in_flight = False
         self._unsubmitted = False
         self._claimed_by: RunList | None = None     # the RunList whose submission holds this packet
+        self._stuck: Any = None     # after a wait expired: the release of the buffers kept for the device
         ctx.track(self)
 
     def _submission(self, ctx: HwContext) -> _Exec:
@@ -437,6 +460,10 @@ class Run:
             if self._stale():
                 self._refuse_closed("EXEC_CMD")
             with self.ctx._claims:
+                if self._in_flight and self._stuck is not None:
+                    raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) timed out in wait() and is still "
+                                       f"on the device (the driver resets a hung command only at its TDR): wait() "
+                                       f"again until it ends")
                 if self._in_flight:
                     raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
                 if self._claimed_by is not None:
@@ -490,8 +517,13 @@ class Run:
                 raise RuntimeError(f"Run of {self.kernel.name} is not submitted: its last start() failed")
             flying = self._in_flight
         if flying:      # outside the lock: a close from another thread does not wait for the device
-            self._wait.wait(seq, timeout, self.kernel.name)
+            try:
+                self._wait.wait(seq, timeout, self.kernel.name)
+            except CommandTimeout:
+                self._keep(seq)
+                raise
         with self._lock:
+            self._let_go()
             if self._pin.closed or self.packet._closed:
                 self.check_open("wait")
             if self.seq != seq:
@@ -512,6 +544,31 @@ class Run:
         _check_timeout(timeout)
         return self.start().wait(timeout)
 
+    def _keep(self, seq: int) -> None:
+        """The wait for ``seq`` expired: the command is still on the device, so its packets and buffers stay
+        allocated until a later wait sees it end (docs/runtime.md 3.4)."""
+        with self._lock:
+            if self._stuck is None and self.seq == seq and not self._pin.closed:
+                bos = [self.packet, *(() if self.chain is None else (self.chain,)), *self._bos]
+                self._stuck = _keep_on_device(self.ctx.device.file, bos, "wait")
+
+    def _let_go(self) -> None:
+        # under self._lock: the command ended (a wait saw it), so what was kept for it goes
+        stuck, self._stuck = self._stuck, None
+        if stuck is not None:
+            stuck()
+
+    def _ended(self) -> bool:
+        """Whether the driver is done with the last submission (a wait that does not block)."""
+        seq = self.seq
+        if seq is None or self.ctx.closed:
+            return False
+        try:
+            self._wait.wait(seq, 0, self.kernel.name)
+        except XdnaError:
+            return False
+        return True
+
     def set_insts_words(self, words: Sequence[tuple[int, int]]) -> None:
         """Rewrite words of this run's instruction stream (``[(index, value), ...]``, u32 word indices) in
         its instruction buffer and flush them; the next start of every run of that stream executes them
@@ -531,9 +588,17 @@ class Run:
         self.insts.set_words(words)
 
     def close(self) -> None:
-        """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread."""
+        """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread.
+
+        After a wait that expired, the packet and the run's buffers are unmapped and closed in the driver only
+        once the command ended (docs/runtime.md 3.4): now if it has, else by a later wait or the device's close.
+        """
+        stuck = self._stuck is not None and not self._ended()
         release_steps(self._unpin or self._pin.release, self.packet.close,
                       *(() if self.chain is None else (self.chain.close,)))
+        if not stuck:
+            with self._lock:
+                self._let_go()
 
     def __enter__(self) -> Run:
         return self
