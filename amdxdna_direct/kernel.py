@@ -840,6 +840,7 @@ class RunList:
         self._wait = _Waiter(ctx)
         self._in_flight = False
         self._submission = 0
+        self._stuck: Any = None     # after a wait expired: the release of the buffers kept for the device
         # Checked for closed-ness at every start: each buffer once, however many runs share it.
         self._bos = tuple(dict.fromkeys(bo for run in runs for bo in run._bos))
         try:
@@ -889,6 +890,9 @@ class RunList:
             if self._stale():
                 self.ctx.check_open("EXEC_CMD")
                 self._check_open("EXEC_CMD")
+            if self._in_flight and self._stuck is not None:
+                raise RuntimeError(f"RunList of {len(self.runs)} runs timed out in wait() and is still on the device "
+                                   f"(the driver resets a hung command only at its TDR): wait() again until it ends")
             if self._in_flight:
                 raise RuntimeError(f"RunList of {len(self.runs)} runs is still in flight: wait() first")
             self._claim_runs()
@@ -961,9 +965,16 @@ class RunList:
         if flying:
             # Timeline points signal in order: the last chain's point covers the earlier ones.
             # WAIT_CMD waits for one seq only, so without a syncobj every chain is waited for.
-            for _, seq in (submitted[-1:] if self.ctx.syncobj else submitted):
-                self._wait.wait(seq, timeout, what)
+            try:
+                for _, seq in (submitted[-1:] if self.ctx.syncobj else submitted):
+                    self._wait.wait(seq, timeout, what)
+            except CommandTimeout:
+                self._keep(submission)
+                raise
         with self._lock:
+            stuck, self._stuck = self._stuck, None
+            if stuck is not None:       # the chains ended: what was kept for them goes (docs/runtime.md 3.4)
+                stuck()
             if self._stale():
                 self._check_open("wait")
             if self._submission != submission:
@@ -976,6 +987,14 @@ class RunList:
                 return list(self.states)
             error = failures[0]
         raise _classified(error, self.ctx)
+
+    def _keep(self, submission: int) -> None:
+        """A wait expired with the chains still on the device: their packets and buffers stay allocated until a
+        later wait sees them end (docs/runtime.md 3.4)."""
+        with self._lock:
+            if self._stuck is None and self._submission == submission and not self._pin.closed:
+                bos = [chain.bo for chain in self.chains] + [run.packet for run in self.runs] + list(self._bos)
+                self._stuck = _keep_on_device(self.ctx.device.file, bos, "wait")
 
     def _collect(self, chain: _Chain, seq: int) -> CommandError | None:
         state = chain.head[0] & 0xF

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from amdxdna_direct import insts, open_device
+from amdxdna_direct import XdnaError, insts, open_device
 from amdxdna_direct.emu import DRIVERS, EmuDevice, Passthrough, resolve
 from amdxdna_direct.errors import CommandTimeout
-from amdxdna_direct.kernel import FOREVER
+from amdxdna_direct.kernel import FOREVER, RunList
 from amdxdna_direct.xclbin import build_mlir_aie, write
 
 SIZE = 256
@@ -55,5 +55,34 @@ def test_expired_wait_keeps_the_command_buffers_until_it_ends(driver):
         assert dev.stats["GEM_CLOSE"] == closes
         dev.close()
         assert emu.counters.live()["bos"] == 0          # everything freed once the device file closed
+    finally:
+        emu.close()
+
+
+@pytest.mark.parametrize("driver", ["linux-6.14", "xdna-oot"])
+def test_expired_run_list_wait_keeps_its_packets(driver):
+    profile = resolve(f"npu1:{driver}")
+    emu = EmuDevice(f"npu1:{driver}", coherent=True, time_scale=TDR_WALL_S / profile.tdr_timeout)
+    try:
+        dev = open_device(emu)
+        stream = insts.encode(insts.dma_stream(dev.txn_dev_gen, [(0, SIZE, "in"), (1, SIZE, "out")]))
+        emu.models.bind(stream, Passthrough())
+        ctx = dev.hw_context(write(build_mlir_aie(b"timeouts PDI", column_width=1, n_buffers=2)))
+        src, dst = dev.bo(SIZE), dev.bo(SIZE)
+        runs = RunList(ctx, [ctx.kernel().prepare_npu(stream, [src, dst])])
+        emu.faults.hang(stream)
+        runs.start()
+        with pytest.raises(CommandTimeout):
+            runs.wait(timeout=0.05)
+        with pytest.raises(RuntimeError, match="RunList of 1 runs timed out in wait"):
+            runs.start()
+        closes = dev.stats["GEM_CLOSE"]
+        runs.close()                                    # its chain packet stays allocated for the device
+        dst.close()
+        assert dev.stats["GEM_CLOSE"] == closes
+        with pytest.raises(XdnaError, match="EBADF"):
+            runs.wait(timeout=FOREVER)
+        dev.close()
+        assert emu.counters.live()["bos"] == 0
     finally:
         emu.close()
