@@ -24,7 +24,8 @@ __all__ = [
     "ERT_CMD_STATE_NORESPONSE", "STATE_NAMES", "state_name",
     "Header", "Health", "make_header", "decode_header", "read_state", "write_state",
     "encode_regmap", "encode_start_cu", "payload_words", "encode_chain", "decode_chain", "ChainInfo", "decode_health",
-    "chain_slot_cost", "CHAIN_SLOT_BUDGET", "CHAIN_MAX_RUNS", "MAX_PACKET_WORDS",
+    "chain_slot_cost", "CHAIN_SLOT_BUDGET", "CHAIN_MAX_RUNS", "MAX_PACKET_WORDS", "LONE_COMMAND_WORDS",
+    "lone_command_limit",
 ]
 
 # Opcodes (bits 27:23), docs/xrt-sequence.md 1.7 / docs/uapi.md 3.
@@ -67,6 +68,13 @@ _CHAIN_HEADER_WORDS = 6  # command_count, submit_index, error_index, reserved[3]
 CHAIN_SLOT_BUDGET = 4096
 _CHAIN_SLOT_HEADER = 52
 CHAIN_MAX_RUNS = 64
+
+# Before feature level 0.6 (Linux 6.14-6.18) the driver sends a command outside a chain as one firmware message,
+# not through the command list: EXECUTE_BUFFER_CF holds 19 payload words after the CU mask (ERT_START_CU), EXEC_DPU
+# 35 argument words (ERT_START_NPU); a larger packet stays NEW. A chain goes through the command list on every
+# version (docs/runtime.md 1.4, docs/driver-rules.md E10).
+LONE_COMMAND_WORDS = {ERT_START_CU: 19, ERT_START_NPU: 35}
+_CMDLIST_ALWAYS_MINOR = 6
 
 _U32 = struct.Struct("<I")
 
@@ -220,6 +228,15 @@ def decode_chain(packet: ReadableBuffer) -> ChainInfo:
     handles = tuple(struct.unpack_from("<Q", packet, 4 + 4 * _CHAIN_HEADER_WORDS + 8 * i)[0] & 0xFFFFFFFF
                     for i in range(n))
     return ChainInfo(command_count, submit_index, error_index, handles)
+
+
+def lone_command_limit(opcode: int, version_major: int, version_minor: int) -> int | None:
+    """The most payload words a packet of ``opcode`` may carry when submitted on its own under the driver whose
+    DRM_IOCTL_VERSION is ``version_major.version_minor``, or None when a lone command goes through the command
+    list like a chain (upstream 0.6 and later, the out-of-tree driver: major 1). See ``LONE_COMMAND_WORDS``."""
+    if version_major != 0 or version_minor >= _CMDLIST_ALWAYS_MINOR:
+        return None
+    return LONE_COMMAND_WORDS.get(opcode)
 
 
 def chain_slot_cost(arg_words: int) -> int:

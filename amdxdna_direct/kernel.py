@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import abi, cmd
+from . import abi, cmd, trace
 from . import insts as insts_mod
 from .bo import Bo, unhold
-from .device import release_steps
+from .device import gem_close, release_steps
 from .errors import CommandError, CommandTimeout, DeviceLostError, XdnaError, errno_text, ioctl_error
 
 if TYPE_CHECKING:
@@ -280,6 +280,28 @@ def _pinned(owner: object, pin: _Pin, file: Any) -> Any:
     return release
 
 
+def _keep_on_device(file: Any, bos: Iterable[Bo], what: str) -> Any:
+    """Keep the buffers of a command still on the device (its wait expired before the driver finished or aborted
+    it, docs/runtime.md 3.4): one more holder of each GEM handle and of each mapping, so that a close of a buffer
+    meanwhile unmaps and GEM_CLOSEs it only when the returned release runs (idempotent; the device file runs it
+    too, when it closes)."""
+    handles: list[int] = []
+    mappings: list[CpuMapping] = []
+    for bo in dict.fromkeys(bo.parent or bo for bo in bos):
+        if bo.closed:
+            continue
+        mappings.extend(bo.hold(what))
+        file.ref_handle(bo.handle)
+        handles.append(bo.handle)
+    return file.register(_let_go, file, tuple(handles), tuple(mappings))
+
+
+def _let_go(file: Any, handles: tuple[int, ...], mappings: tuple[CpuMapping, ...]) -> None:
+    # The deferred munmaps first, then GEM_CLOSE of the handles whose Bo was closed meanwhile (docs/runtime.md 3.4).
+    release_steps(lambda: unhold(mappings),
+                  *(lambda h=h: gem_close(file, h) if file.unref_handle(h) else None for h in handles))
+
+
 class Run:
     """One prepared kernel invocation with its own reusable command buffer.
 
@@ -302,20 +324,22 @@ class Run:
         self._pin = _Pin(self._lock)
         self._unpin: Any = None
         self.packet = ctx.device.bo(CMD_BO_SIZE, "cmd")
+        self.chain: Bo | None = None        # the one-command chain it is submitted as, when it must be one
         try:
             self._view = self.packet.owner_view()
             self._head = self._view.cast("I")       # the header word, for the state nibble
+            self._state_view = self._view           # the packet the driver writes the outcome into
             self.words = cmd.payload_words(len(self._regmap))
             self._encode()
             # A sub-buffer carries its parent's handle, so the parent is listed once (docs/xrt-sequence.md 1.5).
             self.handles = _dedup(bo.handle for bo in bos)
             self._bos = tuple(dict.fromkeys(bos))   # checked for closed-ness at every start
-            self._exec = _Exec(ctx, self.packet.handle, self.handles)
+            self._exec = self._submission(ctx)
             self._wait = _Waiter(ctx)
-            self._pin.hold((self.packet,), "prepare")
+            self._pin.hold((self.packet,) if self.chain is None else (self.packet, self.chain), "prepare")
             self._unpin = _pinned(self, self._pin, ctx.device.file)
         except BaseException:
-            release_steps(self._pin.release, self.packet.close)
+            release_steps(self._pin.release, self.packet.close, *(() if self.chain is None else (self.chain.close,)))
             raise
         self.seq: int | None = None
         self.elapsed: float | None = None
@@ -326,13 +350,36 @@ class Run:
         self._in_flight = False
         self._unsubmitted = False
         self._claimed_by: RunList | None = None     # the RunList whose submission holds this packet
+        self._stuck: Any = None     # after a wait expired: the release of the buffers kept for the device
         ctx.track(self)
+
+    def _submission(self, ctx: HwContext) -> _Exec:
+        """The EXEC_CMD of this run: its packet, or a one-command chain of it where the driver would refuse the
+        packet alone (more payload words than a single firmware message holds before feature level 0.6,
+        docs/runtime.md 1.4); the trace says which."""
+        version = ctx.device.version
+        limit = cmd.lone_command_limit(cmd.ERT_START_CU, version.major, version.minor)
+        if limit is None or self.words <= limit:
+            return _Exec(ctx, self.packet.handle, self.handles)
+        self.chain = ctx.device.bo(CMD_BO_SIZE, "cmd")
+        chain_view = self.chain.owner_view()
+        cmd.encode_chain(chain_view, [self.packet.handle])
+        self._state_view, self._head = chain_view, chain_view.cast("I")
+        file = ctx.device.file
+        trace.note(file.name, f"{self.kernel.name} run (cmd_handles={self.packet.handle}): {self.words} payload words "
+                              f"exceed the {limit} a lone ERT_START_CU carries under driver {version.major}."
+                              f"{version.minor}; submitted as a one-command ERT_CMD_CHAIN (cmd_handles="
+                              f"{self.chain.handle})")
+        # A chain lists its sub-command packet among the arguments (docs/uapi.md 6.5).
+        return _Exec(ctx, self.chain.handle, _dedup([*self.handles, self.packet.handle]))
 
     def _encode(self) -> None:
         cmd.encode_start_cu(self._view, self.kernel.cu_index, self._regmap)
+        if self.chain is not None:      # rebuilt with it: the driver writes error_index into the chain
+            cmd.encode_chain(self._state_view, [self.packet.handle])
 
     def __repr__(self) -> str:
-        state = "closed" if self._pin.closed or self.packet.closed else cmd.state_name(cmd.read_state(self._view))
+        state = "closed" if self.closed else cmd.state_name(cmd.read_state(self._state_view))
         return f"<Run {self.kernel.name} seq={self.seq} state={state}>"
 
     @property
@@ -422,6 +469,10 @@ class Run:
             if self._stale():
                 self._refuse_closed("EXEC_CMD")
             with self.ctx._claims:
+                if self._in_flight and self._stuck is not None:
+                    raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) timed out in wait() and is still "
+                                       f"on the device (the driver resets a hung command only at its TDR): wait() "
+                                       f"again until it ends")
                 if self._in_flight:
                     raise RuntimeError(f"Run of {self.kernel.name} (seq={self.seq}) is still in flight: wait() first")
                 if self._claimed_by is not None:
@@ -475,8 +526,13 @@ class Run:
                 raise RuntimeError(f"Run of {self.kernel.name} is not submitted: its last start() failed")
             flying = self._in_flight
         if flying:      # outside the lock: a close from another thread does not wait for the device
-            self._wait.wait(seq, timeout, self.kernel.name)
+            try:
+                self._wait.wait(seq, timeout, self.kernel.name)
+            except CommandTimeout:
+                self._keep(seq)
+                raise
         with self._lock:
+            self._let_go()
             if self._pin.closed or self.packet._closed:
                 self.check_open("wait")
             if self.seq != seq:
@@ -489,13 +545,38 @@ class Run:
             if state == cmd.ERT_CMD_STATE_COMPLETED:
                 return state
             self._clobbered = state in _CLOBBERED
-            error = _command_error(self.kernel.name, state, seq, self.ctx, self._view)
+            error = _command_error(self.kernel.name, state, seq, self.ctx, self._state_view, health_packet=self._view)
         raise _classified(error, self.ctx)
 
     def __call__(self, timeout: float | None = DEFAULT_TIMEOUT) -> int:
         """``start()`` then ``wait(timeout)``; a bad ``timeout`` is refused before submitting."""
         _check_timeout(timeout)
         return self.start().wait(timeout)
+
+    def _keep(self, seq: int) -> None:
+        """The wait for ``seq`` expired: the command is still on the device, so its packets and buffers stay
+        allocated until a later wait sees it end (docs/runtime.md 3.4)."""
+        with self._lock:
+            if self._stuck is None and self.seq == seq and not self._pin.closed:
+                bos = [self.packet, *(() if self.chain is None else (self.chain,)), *self._bos]
+                self._stuck = _keep_on_device(self.ctx.device.file, bos, "wait")
+
+    def _let_go(self) -> None:
+        # under self._lock: the command ended (a wait saw it), so what was kept for it goes
+        stuck, self._stuck = self._stuck, None
+        if stuck is not None:
+            stuck()
+
+    def _ended(self) -> bool:
+        """Whether the driver is done with the last submission (a wait that does not block)."""
+        seq = self.seq
+        if seq is None or self.ctx.closed:
+            return False
+        try:
+            self._wait.wait(seq, 0, self.kernel.name)
+        except XdnaError:
+            return False
+        return True
 
     def set_insts_words(self, words: Sequence[tuple[int, int]]) -> None:
         """Rewrite words of this run's instruction stream (``[(index, value), ...]``, u32 word indices) in
@@ -571,8 +652,17 @@ class Run:
         self._version += 1
 
     def close(self) -> None:
-        """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread."""
-        release_steps(self._unpin or self._pin.release, self.packet.close)
+        """Release the packet buffer (idempotent); waits for a ``start`` in progress in another thread.
+
+        After a wait that expired, the packet and the run's buffers are unmapped and closed in the driver only
+        once the command ended (docs/runtime.md 3.4): now if it has, else by a later wait or the device's close.
+        """
+        stuck = self._stuck is not None and not self._ended()
+        release_steps(self._unpin or self._pin.release, self.packet.close,
+                      *(() if self.chain is None else (self.chain.close,)))
+        if not stuck:
+            with self._lock:
+                self._let_go()
 
     def __enter__(self) -> Run:
         return self
@@ -826,6 +916,7 @@ class RunList:
         self._wait = _Waiter(ctx)
         self._in_flight = False
         self._submission = 0
+        self._stuck: Any = None     # after a wait expired: the release of the buffers kept for the device
         # Checked for closed-ness at every start: each buffer once, however many runs share it.
         self._bos = tuple(dict.fromkeys(bo for run in runs for bo in run._bos))
         self._versions = sum(run._version for run in runs)    # changes when a run's argument is rewritten
@@ -876,6 +967,9 @@ class RunList:
             if self._stale():
                 self.ctx.check_open("EXEC_CMD")
                 self._check_open("EXEC_CMD")
+            if self._in_flight and self._stuck is not None:
+                raise RuntimeError(f"RunList of {len(self.runs)} runs timed out in wait() and is still on the device "
+                                   f"(the driver resets a hung command only at its TDR): wait() again until it ends")
             if self._in_flight:
                 raise RuntimeError(f"RunList of {len(self.runs)} runs is still in flight: wait() first")
             versions = sum(run._version for run in self.runs)
@@ -958,9 +1052,16 @@ class RunList:
         if flying:
             # Timeline points signal in order: the last chain's point covers the earlier ones.
             # WAIT_CMD waits for one seq only, so without a syncobj every chain is waited for.
-            for _, seq in (submitted[-1:] if self.ctx.syncobj else submitted):
-                self._wait.wait(seq, timeout, what)
+            try:
+                for _, seq in (submitted[-1:] if self.ctx.syncobj else submitted):
+                    self._wait.wait(seq, timeout, what)
+            except CommandTimeout:
+                self._keep(submission)
+                raise
         with self._lock:
+            stuck, self._stuck = self._stuck, None
+            if stuck is not None:       # the chains ended: what was kept for them goes (docs/runtime.md 3.4)
+                stuck()
             if self._stale():
                 self._check_open("wait")
             if self._submission != submission:
@@ -973,6 +1074,14 @@ class RunList:
                 return list(self.states)
             error = failures[0]
         raise _classified(error, self.ctx)
+
+    def _keep(self, submission: int) -> None:
+        """A wait expired with the chains still on the device: their packets and buffers stay allocated until a
+        later wait sees them end (docs/runtime.md 3.4)."""
+        with self._lock:
+            if self._stuck is None and self._submission == submission and not self._pin.closed:
+                bos = [chain.bo for chain in self.chains] + [run.packet for run in self.runs] + list(self._bos)
+                self._stuck = _keep_on_device(self.ctx.device.file, bos, "wait")
 
     def _collect(self, chain: _Chain, seq: int) -> CommandError | None:
         state = chain.head[0] & 0xF

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import cffi
     from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["Tracer", "TRACER", "enabled", "enable", "disable", "decode", "describe_request"]
+__all__ = ["Tracer", "TRACER", "enabled", "enable", "disable", "decode", "describe_request", "note"]
 
 log = logging.getLogger(__name__)
 # The line format; `amdxdna trace` finds these lines in a program's stderr by the prefix (docs/cli.md).
@@ -70,6 +70,13 @@ def _compound(ffi: Any, value: abi.CData, ctype: cffi.FFI.CType) -> object:
     if ctype.kind == "array" and ctype.item.kind == "primitive":
         return list(value)
     return ffi.string(value) if ctype.kind == "array" and ctype.item.cname == "char" else repr(value)
+
+
+def note(seam_name: str, text: str) -> None:
+    """Log a line about what the runtime chose beside the ioctls it explains, when tracing is on:
+    ``emu:npu1 note: ...`` (not an ioctl record: ``amdxdna trace`` passes it through, docs/cli.md)."""
+    if _state["enabled"]:
+        log.info("%s note: %s", seam_name, text)
 
 
 class Tracer:
