@@ -642,7 +642,8 @@ class Run:
         self.buffers = tuple(slots[i] for i in sorted(slots))
         self._bos = tuple(dict.fromkeys(self.buffers))
         self.handles = _dedup(b.handle for b in self.buffers)
-        self._exec.set_handles(self.handles)
+        # A one-command chain lists its packet among the buffers too (docs/uapi.md 6.5, _submission).
+        self._exec.set_handles(self.handles if self.chain is None else _dedup([*self.handles, self.packet.handle]))
         slot = index - 3        # opcode, instr, ninstr, then bo0.. (docs/design.md 2)
         if self.insts is not None and slot >= 0:
             npu = list(self.npu_buffers)

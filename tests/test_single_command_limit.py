@@ -62,3 +62,31 @@ def test_limit_follows_the_driver_version():
     assert cmd.lone_command_limit(cmd.ERT_START_NPU, 0, 1) == 35
     assert cmd.lone_command_limit(cmd.ERT_START_CU, 0, 6) is None
     assert cmd.lone_command_limit(cmd.ERT_START_CU, 1, 0) is None
+
+
+@pytest.mark.parametrize("driver", sorted(LONE_LIMITED))
+def test_a_rewritten_argument_keeps_the_one_command_chain_whole(driver):
+    """set_arg on a run submitted as a one-command chain: the chain still lists its packet among the buffers
+    EXEC_CMD passes (docs/uapi.md 6.5), and the run writes into the new buffer."""
+    xclbin = write(build_mlir_aie(b"single command limit PDI", column_width=1, n_buffers=N_BUFFERS))
+    stream = insts.encode(insts.dma_stream(4, [(0, SIZE, "in"), (1, SIZE, "out")]))
+    with open_device(f"emu:npu4:{driver}:coherent") as dev:
+        dev.emulator.models.bind(stream, Passthrough())
+        ctx = dev.hw_context(xclbin)
+        src, dst, other = dev.bo(SIZE), dev.bo(SIZE), dev.bo(SIZE)
+        data = np.arange(SIZE, dtype=np.uint8)
+        src.write(data)
+        src.sync()
+        run = ctx.kernel().prepare_npu(stream, [src, dst])
+        assert run.chain is not None and run() == cmd.ERT_CMD_STATE_COMPLETED
+        run.set_arg(4, other)                       # bo1, the output
+        log = io.StringIO()
+        trace.enable(log)
+        try:
+            assert run() == cmd.ERT_CMD_STATE_COMPLETED
+        finally:
+            trace.disable()
+        exec_line = next(line for line in log.getvalue().splitlines() if " EXEC_CMD(" in line)
+        assert f"cmd_handles={run.chain.handle}" in exec_line and "arg_count=4" in exec_line    # instructions, src, other, packet
+        other.sync(direction=FROM_DEVICE)
+        np.testing.assert_array_equal(other.array()[:SIZE], data)
