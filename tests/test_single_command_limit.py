@@ -87,6 +87,7 @@ def test_a_rewritten_argument_keeps_the_one_command_chain_whole(driver):
         finally:
             trace.disable()
         exec_line = next(line for line in log.getvalue().splitlines() if " EXEC_CMD(" in line)
-        assert f"cmd_handles={run.chain.handle}" in exec_line and "arg_count=4" in exec_line    # instructions, src, other, packet
+        # the buffers: the instructions, src, the new output, and the chain's packet
+        assert f"cmd_handles={run.chain.handle}" in exec_line and "arg_count=4" in exec_line
         other.sync(direction=FROM_DEVICE)
         np.testing.assert_array_equal(other.array()[:SIZE], data)
