@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from amdxdna_direct.cli import one_line
 from sam3 import demo as demo_mod
 from sam3 import post, preprocess, rle
 from sam3.bundle import BundleError
@@ -197,7 +196,7 @@ def _run(args: Any, prog: str) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "sam3 points") -> int:
     """`sam3 points`: 0 on success; 1 on bad input or an error (one line `sam3 points: <msg>` on stderr, and with
     --json the JSON error object on stdout); 2 on a usage error."""
-    from sam3.cli import UsageParser
+    from sam3.cli import UsageParser, _fail
 
     p = UsageParser(prog=prog, description="The masks of a point/box prompt through the bundle's tracker: 3 "
                                        "candidates, or one by the single-mask stability rule (--single).")
@@ -213,11 +212,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "sam3 points") -> int:
     p.add_argument("--json", action="store_true", help="one JSON document; masks as COCO compressed RLE")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
 
-    def fail(message: str) -> int:
-        if args.json:
-            print(json.dumps({"schema": SCHEMA, "command": "points", "ok": False, "error": message}))
-        print(f"{prog}: {one_line(message)}", file=sys.stderr)
-        return 1
+    def fail(message: str) -> int:       # sam3's one error convention (the JSON object, then the line)
+        return _fail("points", message, args.json)
 
     try:
         return _run(args, prog)

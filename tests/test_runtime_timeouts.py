@@ -7,6 +7,8 @@ times its modelled length) stand in for the kernels; the oracle is the emulator'
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from amdxdna_direct import XdnaError, insts, open_device
@@ -19,8 +21,10 @@ SIZE = 256
 TDR_WALL_S = 0.6        # every profile's TDR, scaled to this much wall time
 
 
-@pytest.mark.parametrize("driver", sorted(DRIVERS))
-def test_expired_wait_keeps_the_command_buffers_until_it_ends(driver):
+@contextlib.contextmanager
+def copy_design(driver):
+    """An emulated npu1 under ``driver`` with its TDR scaled to TDR_WALL_S, a copy design's context, its stream
+    (the passthrough bound) and two buffers: (emu, dev, ctx, stream, src, dst)."""
     profile = resolve(f"npu1:{driver}")
     emu = EmuDevice(f"npu1:{driver}", coherent=True, time_scale=TDR_WALL_S / profile.tdr_timeout)
     try:
@@ -28,7 +32,14 @@ def test_expired_wait_keeps_the_command_buffers_until_it_ends(driver):
         stream = insts.encode(insts.dma_stream(dev.txn_dev_gen, [(0, SIZE, "in"), (1, SIZE, "out")]))
         emu.models.bind(stream, Passthrough())
         ctx = dev.hw_context(write(build_mlir_aie(b"timeouts PDI", column_width=1, n_buffers=2)))
-        src, dst = dev.bo(SIZE), dev.bo(SIZE)
+        yield emu, dev, ctx, stream, dev.bo(SIZE), dev.bo(SIZE)
+    finally:
+        emu.close()
+
+
+@pytest.mark.parametrize("driver", sorted(DRIVERS))
+def test_expired_wait_keeps_the_command_buffers_until_it_ends(driver):
+    with copy_design(driver) as (emu, dev, ctx, stream, src, dst):
         run = ctx.kernel().prepare_npu(stream, [src, dst])
         emu.faults.hang(stream, count=2)
         run.start()
@@ -55,20 +66,11 @@ def test_expired_wait_keeps_the_command_buffers_until_it_ends(driver):
         assert dev.stats["GEM_CLOSE"] == closes
         dev.close()
         assert emu.counters.live()["bos"] == 0          # everything freed once the device file closed
-    finally:
-        emu.close()
 
 
 @pytest.mark.parametrize("driver", ["linux-6.14", "xdna-oot"])
 def test_expired_run_list_wait_keeps_its_packets(driver):
-    profile = resolve(f"npu1:{driver}")
-    emu = EmuDevice(f"npu1:{driver}", coherent=True, time_scale=TDR_WALL_S / profile.tdr_timeout)
-    try:
-        dev = open_device(emu)
-        stream = insts.encode(insts.dma_stream(dev.txn_dev_gen, [(0, SIZE, "in"), (1, SIZE, "out")]))
-        emu.models.bind(stream, Passthrough())
-        ctx = dev.hw_context(write(build_mlir_aie(b"timeouts PDI", column_width=1, n_buffers=2)))
-        src, dst = dev.bo(SIZE), dev.bo(SIZE)
+    with copy_design(driver) as (emu, dev, ctx, stream, src, dst):
         runs = RunList(ctx, [ctx.kernel().prepare_npu(stream, [src, dst])])
         emu.faults.hang(stream)
         runs.start()
@@ -84,5 +86,3 @@ def test_expired_run_list_wait_keeps_its_packets(driver):
             runs.wait(timeout=FOREVER)
         dev.close()
         assert emu.counters.live()["bos"] == 0
-    finally:
-        emu.close()
