@@ -948,14 +948,14 @@ def check_wheel_contents(archive: zipfile.ZipFile) -> None:
     assert re.search(r"^Name: amdxdna-direct$", meta, flags=re.M)
     requires = re.findall(r"^Requires-Dist: (.+)$", meta, flags=re.M)
     assert sorted(requirement_name(r) for r in requires if "extra ==" not in r) == ["cffi", "ml-dtypes", "numpy"]
-    assert re.findall(r"^Provides-Extra: (.+)$", meta, flags=re.M) == ["sam3", "test"]
+    assert re.findall(r"^Provides-Extra: (.+)$", meta, flags=re.M) == ["sam3", "hub", "test"]
     extras: dict[str, set[str]] = {}
     for r in requires:
         found = re.search(r"extra == \"(\w+)\"", r)
         if found:
             extras.setdefault(found.group(1), set()).add(requirement_name(r))
-    assert extras == {"sam3": {"pillow", "safetensors", "tokenizers"},
-                      "test": {"hypothesis", "pytest", "pillow", "safetensors", "tokenizers"}}
+    assert extras == {"sam3": {"pillow", "safetensors", "tokenizers"}, "hub": {"huggingface-hub"},
+                      "test": {"hypothesis", "pytest", "pillow", "safetensors", "tokenizers", "huggingface-hub"}}
     assert re.search(r"^License-Expression: Apache-2\.0$", meta, flags=re.M)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert {"amdxdna_direct/py.typed", "sam3/py.typed"} <= names
