@@ -23,6 +23,17 @@ def _need_fixture() -> None:
         pytest.skip(f"fixture {TINY} absent (tests/fixtures incomplete in this checkout)")
 
 
+def _with_config(tmp_path: Path, value: object, *keys: str) -> Path:
+    """The checkpoint with config.json's ``keys`` path set to ``value``."""
+    _need_fixture()
+    cfg = json.loads((HF / "config.json").read_text())
+    node = cfg
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    return _copy(tmp_path, "config.json", json.dumps(cfg).encode())
+
+
 def _copy(tmp_path: Path, name: str | None = None, data: bytes | None = None) -> Path:
     _need_fixture()
     root = tmp_path / "hf"
@@ -79,20 +90,14 @@ def test_a_malformed_safetensors_header_is_one_line(tmp_path, capsys, kind):
 
 
 def test_a_config_declaring_1e8_layers_is_refused_before_building_its_tensor_list(tmp_path, capsys):
-    _need_fixture()
-    cfg = json.loads((HF / "config.json").read_text())
-    cfg["vision_config"]["backbone_config"]["num_hidden_layers"] = 10 ** 8
-    root = _copy(tmp_path, "config.json", json.dumps(cfg).encode())
+    root = _with_config(tmp_path, 10 ** 8, "vision_config", "backbone_config", "num_hidden_layers")
     line = _fails(capsys, root, tmp_path / "out")
     assert "config.json: vision_config.backbone_config.num_hidden_layers = 100000000, more than the" in line
 
 
 @pytest.mark.parametrize("value", [None, {"a": 1}, [1, 2, 3], -4, 0, 1.5, "8", True])
 def test_config_values_that_are_not_sizes_name_the_field(tmp_path, capsys, value):
-    _need_fixture()
-    cfg = json.loads((HF / "config.json").read_text())
-    cfg["detr_encoder_config"]["num_layers"] = value
-    root = _copy(tmp_path, "config.json", json.dumps(cfg).encode())
+    root = _with_config(tmp_path, value, "detr_encoder_config", "num_layers")
     line = _fails(capsys, root, tmp_path / "out")
     assert "config.json: detr_encoder_config.num_layers = " in line and "expected a positive integer" in line
 
@@ -131,9 +136,6 @@ def test_a_reference_image_outside_its_directory_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("value", [None, "1e-5", [1e-5], 0, -1e-5, 2.0, True])
 def test_a_text_eps_that_is_not_a_small_number_names_the_field(tmp_path, capsys, value):
-    _need_fixture()
-    cfg = json.loads((HF / "config.json").read_text())
-    cfg["text_config"]["layer_norm_eps"] = value
-    root = _copy(tmp_path, "config.json", json.dumps(cfg).encode())
+    root = _with_config(tmp_path, value, "text_config", "layer_norm_eps")
     line = _fails(capsys, root, tmp_path / "out")
     assert "config.json: text_config.layer_norm_eps = " in line and "expected a small positive number" in line
