@@ -17,7 +17,6 @@ the calls take turns, the host work around them overlaps, and every call gives w
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -133,12 +132,6 @@ class Result:
 
     def __len__(self) -> int:
         return len(self.instances)
-
-
-def image_key(rgb: np.ndarray) -> tuple[Any, ...]:
-    """What identifies an image for reuse: the dtype, shape and sha256 of the pixels the image side is computed from
-    (docs/sam3-segment.md 10.2). `rgb` must be C-contiguous."""
-    return (rgb.dtype.str, rgb.shape, hashlib.sha256(rgb.data).digest())
 
 
 class Sam3:
@@ -258,7 +251,7 @@ class Sam3:
             # A copy: the caller (or another of its threads) writing into the array later cannot change the
             # pixels behind a key.
             rgb = np.array(rgb, order="C", copy=True)
-        return rgb, image_key(rgb)
+        return rgb, preprocess.image_key(rgb)
 
     def encode_image(self, image: Any, prompt: str | None = None) -> tuple[ImageFeatures, Prompt | None]:
         """Runs the image side on `image` (a file path or uint8 `[H, W, 3]`); with `prompt`, encodes it meanwhile

@@ -38,7 +38,6 @@ from sam3 import (
 )
 from sam3.bundle import Bundle
 from sam3.npu import Npu
-from sam3.pipeline import image_key
 from sam3.post import rle_encode
 from sam3.tracker_config import F32Array, TrackerConfig, TrackerError, has_tracker, read_config, read_weights
 
@@ -251,7 +250,7 @@ class Points:
         self.close()
 
     def _rgb(self, image: Any) -> tuple[np.ndarray, object]:
-        """The pixels and their content key (`sam3.pipeline.image_key`: dtype, shape, sha256 of the pixels, as
+        """The pixels and their content key (`preprocess.image_key`: dtype, shape, sha256 of the pixels, as
         `Sam3`'s cache; docs/sam3-segment.md 10.2): a file is decoded each call, so one rewritten with its size
         and mtime kept is not served the old image side."""
         if isinstance(image, (str, os.PathLike)):
@@ -261,7 +260,7 @@ class Points:
             if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
                 raise TrackerError(f"image must be a file or an RGB8 [H, W, 3] uint8 array, got {rgb.dtype} "
                                    f"{rgb.shape}")
-        return rgb, image_key(rgb)
+        return rgb, preprocess.image_key(rgb)
 
     def image_side(self, image: Any, timing: dict[str, float] | None = None) -> ImageSide:
         """The image side of `image` (a path or an RGB8 array), reused when it is the last image seen.

@@ -9,11 +9,12 @@ Each pass is vectorised over the whole image; the only Python loop is over the f
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, JpegImagePlugin, PngImagePlugin
@@ -280,3 +281,9 @@ def preprocess_file(path: str | Path, image_size: int, max_pixels: int = MAX_PIX
         ValueError: ``image_size`` or ``max_pixels`` is not positive.
     """
     return preprocess(load_rgb(path, max_pixels), image_size)
+
+
+def image_key(rgb: np.ndarray) -> tuple[Any, ...]:
+    """What identifies an image for reuse: the dtype, shape and sha256 of the pixels the image side is computed from
+    (docs/sam3-segment.md 10.2). `rgb` must be C-contiguous."""
+    return (rgb.dtype.str, rgb.shape, hashlib.sha256(rgb.data).digest())
